@@ -1,0 +1,20 @@
+// Exposes the CPU handlers to Python as PyCapsules for jax.ffi.register_ffi_target.
+#include <pybind11/pybind11.h>
+
+#include "cpu_ops.h"
+
+namespace {
+pybind11::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
+  return pybind11::capsule(reinterpret_cast<void*>(handler));
+}
+}  // namespace
+
+PYBIND11_MODULE(_jax_moe_cpu, m) {
+  m.doc() = "jax_moe CPU FFI handlers";
+  m.def("registrations", [] {
+    pybind11::dict handlers;
+    handlers["jax_moe_permute"] = Capsule(JaxMoePermuteCpu);
+    handlers["jax_moe_unpermute"] = Capsule(JaxMoeUnpermuteCpu);
+    return handlers;
+  });
+}

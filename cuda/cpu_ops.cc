@@ -1,0 +1,220 @@
+// CPU implementation of the routing contract. It is the reference the CUDA kernels must match bit
+// for bit, so it is written for clarity: one pass to count, one to place, one to pad.
+#include "cpu_ops.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "float_bits.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_moe {
+namespace {
+
+ffi::Error InvalidArgument(const char* message) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, message);
+}
+
+int64_t RowBytes(const ffi::AnyBuffer& rows) {
+  const auto dims = rows.dimensions();
+  return dims.size() == 2 ? dims[1] * static_cast<int64_t>(ffi::ByteWidth(rows.element_type())) : -1;
+}
+
+ffi::Error PermuteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
+                       ffi::Buffer<ffi::S32> expert_map, ffi::AnyBuffer /*permuted_in*/,
+                       ffi::Buffer<ffi::S32> /*src_index_in*/, ffi::Buffer<ffi::S32> /*dest_index_in*/,
+                       ffi::Buffer<ffi::S32> /*group_sizes_in*/,
+                       ffi::Buffer<ffi::S32> /*expert_offsets_in*/,
+                       ffi::Result<ffi::AnyBuffer> permuted, ffi::Result<ffi::Buffer<ffi::S32>> src_index,
+                       ffi::Result<ffi::Buffer<ffi::S32>> dest_index,
+                       ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                       ffi::Result<ffi::Buffer<ffi::S32>> expert_offsets, int64_t align) {
+  // Python validates everything at trace time; these checks only keep a misuse from the C++ side
+  // (a hand-written ffi_call) from reading or writing out of bounds.
+  const auto ids_dims = topk_ids.dimensions();
+  if (ids_dims.size() != 2 || x.dimensions().size() != 2 || ids_dims[0] != x.dimensions()[0])
+    return InvalidArgument("permute: x must be [T, H] and topk_ids [T, k]");
+  const int64_t num_tokens = ids_dims[0];
+  const int64_t top_k = ids_dims[1];
+  const int64_t num_routes = num_tokens * top_k;
+  const int64_t num_experts = expert_map.element_count();
+  const int64_t num_local = group_sizes->element_count();
+  const int64_t capacity = permuted->dimensions()[0];
+  const int64_t row_bytes = RowBytes(x);
+  if (row_bytes != RowBytes(*permuted) || align < 1 || expert_offsets->element_count() != num_local + 1 ||
+      src_index->element_count() != capacity || dest_index->element_count() < num_routes ||
+      num_routes + num_local * (align - 1) > capacity)
+    return InvalidArgument("permute: scratch buffers do not fit the inputs");
+
+  const int32_t* ids = topk_ids.typed_data();
+  const int32_t* local_of_global = expert_map.typed_data();
+  std::vector<int32_t> local(num_routes);
+  std::vector<int64_t> count(num_local, 0);
+  for (int64_t r = 0; r < num_routes; ++r) {
+    const int32_t id = ids[r];
+    int32_t e = (id >= 0 && id < num_experts) ? local_of_global[id] : -1;
+    if (e >= num_local) e = -1;  // a corrupt map entry is treated as "not on this device"
+    local[r] = e;
+    if (e >= 0) ++count[e];
+  }
+
+  int32_t* sizes = group_sizes->typed_data();
+  int32_t* offsets = expert_offsets->typed_data();
+  offsets[0] = 0;
+  for (int64_t e = 0; e < num_local; ++e) {
+    sizes[e] = static_cast<int32_t>((count[e] + align - 1) / align * align);
+    offsets[e + 1] = offsets[e] + sizes[e];
+  }
+
+  // Stable placement: routes visited in ascending flat index fill each expert's segment in order.
+  const char* x_rows = static_cast<const char*>(x.untyped_data());
+  char* out_rows = static_cast<char*>(permuted->untyped_data());
+  int32_t* src = src_index->typed_data();
+  int32_t* dest = dest_index->typed_data();
+  std::vector<int64_t> next_row(offsets, offsets + num_local);
+  for (int64_t r = 0; r < num_routes; ++r) {
+    const int32_t e = local[r];
+    if (e < 0) {
+      dest[r] = -1;
+      continue;
+    }
+    const int64_t row = next_row[e]++;
+    dest[r] = static_cast<int32_t>(row);
+    src[row] = static_cast<int32_t>(r);
+    std::memcpy(out_rows + row * row_bytes, x_rows + (r / top_k) * row_bytes, row_bytes);
+  }
+  // Padding rows are zero with src_index -1; rows past the live count get src_index -1 only.
+  for (int64_t e = 0; e < num_local; ++e) {
+    for (int64_t row = offsets[e] + count[e]; row < offsets[e + 1]; ++row) {
+      src[row] = -1;
+      std::memset(out_rows + row * row_bytes, 0, row_bytes);
+    }
+  }
+  for (int64_t row = offsets[num_local]; row < capacity; ++row) src[row] = -1;
+  return ffi::Error::Success();
+}
+
+// Reads element h of a row of y (or w) of the given dtype as float32.
+template <ffi::DataType kType>
+float LoadAsFloat(const void* data, int64_t index);
+template <>
+float LoadAsFloat<ffi::F32>(const void* data, int64_t index) {
+  return static_cast<const float*>(data)[index];
+}
+template <>
+float LoadAsFloat<ffi::BF16>(const void* data, int64_t index) {
+  return Bf16ToFloat(static_cast<const uint16_t*>(data)[index]);
+}
+template <>
+float LoadAsFloat<ffi::F16>(const void* data, int64_t index) {
+  return F16ToFloat(static_cast<const uint16_t*>(data)[index]);
+}
+
+template <ffi::DataType kType>
+void StoreFromFloat(void* data, int64_t index, float value);
+template <>
+void StoreFromFloat<ffi::F32>(void* data, int64_t index, float value) {
+  static_cast<float*>(data)[index] = value;
+}
+template <>
+void StoreFromFloat<ffi::BF16>(void* data, int64_t index, float value) {
+  static_cast<uint16_t*>(data)[index] = FloatToBf16(value);
+}
+template <>
+void StoreFromFloat<ffi::F16>(void* data, int64_t index, float value) {
+  static_cast<uint16_t*>(data)[index] = FloatToF16(value);
+}
+
+template <ffi::DataType kRowType, ffi::DataType kWeightType>
+void UnpermuteRows(const void* y, const void* weights, const int32_t* dest, void* out,
+                   int64_t num_tokens, int64_t top_k, int64_t hidden, int64_t capacity) {
+  std::vector<float> acc(hidden);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int32_t row = dest[t * top_k + j];
+      if (row < 0 || row >= capacity) continue;  // dropped route: never read
+      const float w = LoadAsFloat<kWeightType>(weights, t * top_k + j);
+      const int64_t base = static_cast<int64_t>(row) * hidden;
+      // Built with -ffp-contract=off: the product and the sum are each rounded to float32.
+      for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + w * LoadAsFloat<kRowType>(y, base + h);
+    }
+    for (int64_t h = 0; h < hidden; ++h) StoreFromFloat<kRowType>(out, t * hidden + h, acc[h]);
+  }
+}
+
+template <ffi::DataType kRowType>
+ffi::Error DispatchWeights(ffi::DataType weight_type, const void* y, const void* weights,
+                           const int32_t* dest, void* out, int64_t num_tokens, int64_t top_k,
+                           int64_t hidden, int64_t capacity) {
+  switch (weight_type) {
+    case ffi::F32:
+      UnpermuteRows<kRowType, ffi::F32>(y, weights, dest, out, num_tokens, top_k, hidden, capacity);
+      return ffi::Error::Success();
+    case ffi::BF16:
+      UnpermuteRows<kRowType, ffi::BF16>(y, weights, dest, out, num_tokens, top_k, hidden, capacity);
+      return ffi::Error::Success();
+    default:
+      return InvalidArgument("unpermute: topk_weights must be float32 or bfloat16");
+  }
+}
+
+ffi::Error UnpermuteImpl(ffi::AnyBuffer y, ffi::AnyBuffer topk_weights,
+                         ffi::Buffer<ffi::S32> dest_index, ffi::Result<ffi::AnyBuffer> out) {
+  const auto w_dims = topk_weights.dimensions();
+  const auto y_dims = y.dimensions();
+  const auto out_dims = out->dimensions();
+  if (w_dims.size() != 2 || y_dims.size() != 2 || out_dims.size() != 2 || out_dims[0] != w_dims[0] ||
+      out_dims[1] != y_dims[1] || dest_index.element_count() < w_dims[0] * w_dims[1] ||
+      out->element_type() != y.element_type())
+    return InvalidArgument("unpermute: shapes of y, topk_weights, dest_index and out disagree");
+  const int64_t num_tokens = w_dims[0], top_k = w_dims[1], hidden = y_dims[1], capacity = y_dims[0];
+  const void* rows = y.untyped_data();
+  const void* weights = topk_weights.untyped_data();
+  const int32_t* dest = dest_index.typed_data();
+  void* result = out->untyped_data();
+  switch (y.element_type()) {
+    case ffi::F32:
+      return DispatchWeights<ffi::F32>(topk_weights.element_type(), rows, weights, dest, result,
+                                       num_tokens, top_k, hidden, capacity);
+    case ffi::BF16:
+      return DispatchWeights<ffi::BF16>(topk_weights.element_type(), rows, weights, dest, result,
+                                        num_tokens, top_k, hidden, capacity);
+    case ffi::F16:
+      return DispatchWeights<ffi::F16>(topk_weights.element_type(), rows, weights, dest, result,
+                                       num_tokens, top_k, hidden, capacity);
+    default:
+      return InvalidArgument("unpermute: y must be float16, bfloat16 or float32");
+  }
+}
+
+}  // namespace
+}  // namespace jax_moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteCpu, jax_moe::PermuteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()            // x [T, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // topk_ids [T, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // expert_map [E]
+                                  .Arg<ffi::AnyBuffer>()            // permuted (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // src_index (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // dest_index (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // group_sizes (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // expert_offsets (aliased)
+                                  .Ret<ffi::AnyBuffer>()            // permuted [R_cap, H]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // src_index [R_cap]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // dest_index [T_max, k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // group_sizes [El]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // expert_offsets [El + 1]
+                                  .Attr<int64_t>("align"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteCpu, jax_moe::UnpermuteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // y [R_cap, H]
+                                  .Arg<ffi::AnyBuffer>()         // topk_weights [T, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // dest_index [T_max, k]
+                                  .Ret<ffi::AnyBuffer>());       // out [T, H]

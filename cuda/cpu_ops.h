@@ -1,0 +1,12 @@
+// CPU XLA FFI handlers for jax_moe permute/unpermute (the routing contract of DESIGN.md §3).
+#ifndef JAX_MOE_CPU_OPS_H_
+#define JAX_MOE_CPU_OPS_H_
+
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+XLA_FFI_Error* JaxMoePermuteCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeUnpermuteCpu(XLA_FFI_CallFrame* call_frame);
+}
+
+#endif  // JAX_MOE_CPU_OPS_H_

@@ -1,0 +1,104 @@
+"""MoEConfig: the static description of one MoE routing problem (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+ROW_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+SCORINGS = ("softmax", "sigmoid")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"MoEConfig.{name}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Static configuration of an MoE layer's routing and its scratch.
+
+    Attributes:
+      num_experts: E, the number of global experts (ids in [0, E) are routable).
+      top_k: k, routes per token.
+      hidden_size: H, the row width of ``x``.
+      max_tokens: T_max, the most tokens one call may route (sizes the scratch).
+      dtype: row dtype of ``x`` and of the scratch's ``permuted`` buffer (f16, bf16, f32).
+      expert_map: optional [E] ints, global expert -> local index in [0, El) or -1 for "not on
+        this device". The non-negative entries must be exactly 0..El-1, each once. None means
+        identity (El = E).
+      align: each expert's segment is padded to a multiple of ``align`` rows.
+      scoring: router scoring used by ``moe_layer``: "softmax" or "sigmoid".
+      renormalize: whether ``moe_layer`` renormalises the top-k weights to sum to 1.
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    max_tokens: int
+    dtype: Any = jnp.bfloat16
+    expert_map: tuple[int, ...] | None = None
+    align: int = 1
+    scoring: str = "softmax"
+    renormalize: bool = True
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "hidden_size", "max_tokens", "align"):
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+        try:
+            dtype = jnp.dtype(self.dtype)
+        except TypeError as e:
+            raise ValueError(f"MoEConfig.dtype: expected one of float16, bfloat16, float32, got {self.dtype!r}") from e
+        if dtype not in ROW_DTYPES:
+            raise ValueError(f"MoEConfig.dtype: expected one of float16, bfloat16, float32, got {dtype}")
+        object.__setattr__(self, "dtype", dtype)
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"MoEConfig.scoring: expected one of {SCORINGS}, got {self.scoring!r}")
+        object.__setattr__(self, "renormalize", bool(self.renormalize))
+        if self.expert_map is not None:
+            object.__setattr__(self, "expert_map", self._checked_expert_map(self.expert_map))
+
+    def _checked_expert_map(self, expert_map) -> tuple[int, ...]:
+        values = np.asarray(expert_map)
+        if values.ndim != 1 or values.shape[0] != self.num_experts:
+            raise ValueError(
+                f"MoEConfig.expert_map: expected shape ({self.num_experts},) (one entry per global "
+                f"expert), got {values.shape}")
+        if values.size and not np.issubdtype(values.dtype, np.integer):
+            raise ValueError(f"MoEConfig.expert_map: expected integers, got dtype {values.dtype}")
+        values = values.astype(np.int64)
+        local = np.sort(values[values >= 0])
+        if np.any(values < -1):
+            raise ValueError(
+                f"MoEConfig.expert_map: expected entries >= -1, got {values[values < -1].tolist()}")
+        if local.size == 0:
+            raise ValueError("MoEConfig.expert_map: expected at least one local expert (entry >= 0), got none")
+        if not np.array_equal(local, np.arange(local.size)):
+            duplicates = sorted(set(local[1:][local[1:] == local[:-1]].tolist()))
+            raise ValueError(
+                f"MoEConfig.expert_map: expected the non-negative entries to be exactly 0..{local.size - 1} "
+                f"each once, got {local.tolist()}" + (f" (duplicates {duplicates})" if duplicates else ""))
+        return tuple(int(v) for v in values)
+
+    @property
+    def num_local_experts(self) -> int:
+        """El: experts whose rows live on this device."""
+        if self.expert_map is None:
+            return self.num_experts
+        return sum(1 for v in self.expert_map if v >= 0)
+
+    @property
+    def capacity(self) -> int:
+        """R_cap: rows of ``permuted``, enough for every route plus each expert's padding."""
+        rows = self.max_tokens * self.top_k + self.num_local_experts * (self.align - 1)
+        return -(-rows // self.align) * self.align
+
+    def expert_map_array(self) -> np.ndarray:
+        """The [E] int32 global -> local map (identity when ``expert_map`` is None)."""
+        if self.expert_map is None:
+            return np.arange(self.num_experts, dtype=np.int32)
+        return np.asarray(self.expert_map, dtype=np.int32)

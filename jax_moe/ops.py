@@ -1,0 +1,138 @@
+"""Public permute/unpermute: validation, the FFI custom calls, autodiff and vmap rules."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_moe import _native, _validate, reference
+from jax_moe.scratch import BUFFER_NAMES, MoEScratch
+
+# Operand i of the permute call is written in place as result o: the scratch buffers follow the
+# three inputs (x, topk_ids, expert_map), in BUFFER_NAMES order.
+_PERMUTE_ALIASES = {3 + i: i for i in range(len(BUFFER_NAMES))}
+
+# vmap runs one call per batch element: each element has its own expert groups and offsets, and
+# the kernels are written for one routing problem, so a loop is the exact, allocation-free rule.
+_VMAP_METHOD = "sequential"
+
+
+def _on_platform(native, fallback, *args):
+    """Native handler where its module is built, the reference elsewhere; chosen at lowering."""
+    _native.warn_if_gpu_uses_reference()
+    return lax.platform_dependent(
+        *args,
+        cpu=native if _native.HAS_CPU else fallback,
+        cuda=native if _native.HAS_CUDA else fallback,
+        default=fallback)
+
+
+def _permute_native(x, ids, scratch: MoEScratch) -> MoEScratch:
+    config = scratch.config
+    buffers = scratch.buffers()
+    call = jax.ffi.ffi_call(
+        _native.PERMUTE_TARGET,
+        tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers),
+        input_output_aliases=_PERMUTE_ALIASES,
+        vmap_method=_VMAP_METHOD)
+    outputs = call(x, ids, jnp.asarray(config.expert_map_array()), *buffers, align=np.int64(config.align))
+    return scratch.replace(**dict(zip(BUFFER_NAMES, outputs)))
+
+
+def _unpermute_native(y, topk_weights, dest_index):
+    call = jax.ffi.ffi_call(
+        _native.UNPERMUTE_TARGET,
+        jax.ShapeDtypeStruct((topk_weights.shape[0], y.shape[1]), y.dtype),
+        vmap_method=_VMAP_METHOD)
+    return call(y, topk_weights, dest_index)
+
+
+def _unpermute_any(y, topk_weights, dest_index):
+    return _on_platform(_unpermute_native, reference.unpermute_unchecked, y, topk_weights, dest_index)
+
+
+@jax.custom_vjp
+def _permute(x, ids, scratch):
+    return _on_platform(_permute_native, reference.permute_unchecked, x, ids, scratch)
+
+
+def _permute_fwd(x, ids, scratch):
+    out = _permute(x, ids, scratch)
+    # Residual: only this call's [T, k] slice of dest_index, never a scratch buffer itself
+    # (scan would stack it per layer, and the next layer overwrites it in place).
+    return out, out.dest_index[:x.shape[0]]
+
+
+def _permute_bwd(dest, cotangent: MoEScratch):
+    # d x[t] = sum over kept j of d permuted[dest[t, j]]: an unpermute with unit weights.
+    ones = jnp.ones(dest.shape, jnp.float32)
+    dx = _unpermute_any(cotangent.permuted, ones, dest)
+    return dx, None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+@jax.custom_vjp
+def _unpermute(y, topk_weights, dest_index):
+    return _unpermute_any(y, topk_weights, dest_index)
+
+
+def _unpermute_fwd(y, topk_weights, dest_index):
+    dest = dest_index[:topk_weights.shape[0]]
+    return _unpermute_any(y, topk_weights, dest_index), (y, topk_weights, dest)
+
+
+def _unpermute_bwd(residuals, d_out):
+    y, topk_weights, dest = residuals
+    kept = dest >= 0
+    d_out32 = d_out.astype(jnp.float32)
+    # d y[dest[t, j]] = w[t, j] * d out[t]; rows no route points at (padding, past the end) get 0.
+    scatter_rows = jnp.where(kept, dest, y.shape[0]).reshape(-1)
+    contributions = (topk_weights.astype(jnp.float32)[:, :, None] * d_out32[:, None, :]).reshape(-1, y.shape[1])
+    dy = jnp.zeros(y.shape, jnp.float32).at[scatter_rows].set(contributions, mode="drop").astype(y.dtype)
+    # d w[t, j] = <y[dest[t, j]], d out[t]>, zero for dropped routes.
+    gathered = y[jnp.maximum(dest, 0)].astype(jnp.float32)
+    dw = jnp.where(kept, jnp.einsum("tkh,th->tk", gathered, d_out32), 0.0).astype(topk_weights.dtype)
+    return dy, dw, None
+
+
+_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+
+
+def permute(x: jax.Array, topk_ids: jax.Array, scratch: MoEScratch) -> MoEScratch:
+    """Groups each token's top-k routes by local expert into the scratch (DESIGN.md §3).
+
+    Args:
+      x: [T, H] rows of ``scratch.config.dtype``, 1 <= T <= ``config.max_tokens``.
+      topk_ids: [T, k] global expert ids, any integer dtype. Ids < 0, >= E, or mapped to -1 by
+        ``config.expert_map`` are dropped routes: never copied, contributing 0 on unpermute.
+      scratch: the ``MoEScratch`` to write. Its buffers are aliased to the outputs (written in
+        place when the caller donates them); do not use the argument after the call.
+
+    Returns:
+      The new ``MoEScratch``: ``permuted`` [R_cap, H] rows grouped by local expert (stable in
+      flat route order, segments padded with zero rows to ``config.align``), ``src_index`` [R_cap],
+      ``dest_index`` [T_max, k] (rows < T), ``group_sizes`` [El], ``expert_offsets`` [El + 1].
+    """
+    ids = _validate.check_permute_args(x, topk_ids, scratch)
+    return _permute(x, ids, scratch)
+
+
+def unpermute(y: jax.Array, topk_weights: jax.Array, scratch: MoEScratch) -> jax.Array:
+    """Gathers each token's expert outputs back and sums them weighted (DESIGN.md §3).
+
+    Args:
+      y: [R_cap, H] float16/bfloat16/float32 expert outputs in the permuted row order of the last
+        ``permute`` on ``scratch``.
+      topk_weights: [T, k] float32 or bfloat16 router weights; T must be the T of that permute.
+      scratch: the scratch returned by that ``permute`` (only ``dest_index`` is read).
+
+    Returns:
+      [T, H] of y's dtype: ``sum over kept j of w[t, j] * y[dest_index[t, j]]`` accumulated in
+      float32 in ascending j without FMA, rounded once. Bitwise deterministic.
+    """
+    _validate.check_unpermute_args(y, topk_weights, scratch)
+    return _unpermute(y, topk_weights, scratch.dest_index)
