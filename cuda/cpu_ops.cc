@@ -192,6 +192,16 @@ ffi::Error UnpermuteImpl(ffi::AnyBuffer y, ffi::AnyBuffer topk_weights,
   }
 }
 
+// Benchmark floors: a call that does nothing to a donated buffer, and a plain copy (the bandwidth
+// ceiling on CUDA). On CPU they exist so the benchmark harness runs and is tested everywhere.
+ffi::Error NoopImpl(ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
+
+ffi::Error CopyImpl(ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> dst) {
+  if (src.size_bytes() != dst->size_bytes()) return InvalidArgument("copy: sizes differ");
+  std::memcpy(dst->untyped_data(), src.untyped_data(), src.size_bytes());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_moe
 
@@ -218,3 +228,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteCpu, jax_moe::UnpermuteImpl,
                                   .Arg<ffi::AnyBuffer>()         // topk_weights [T, k]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // dest_index [T_max, k]
                                   .Ret<ffi::AnyBuffer>());       // out [T, H]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeNoopCpu, jax_moe::NoopImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()    // buffer (aliased)
+                                  .Ret<ffi::AnyBuffer>());  // the same buffer, untouched
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCopyCpu, jax_moe::CopyImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()    // src
+                                  .Ret<ffi::AnyBuffer>());  // dst, same shape and dtype
