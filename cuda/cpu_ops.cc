@@ -28,11 +28,13 @@ ffi::Error PermuteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
                        ffi::Buffer<ffi::S32> expert_map, ffi::AnyBuffer /*permuted_in*/,
                        ffi::Buffer<ffi::S32> /*src_index_in*/, ffi::Buffer<ffi::S32> /*dest_index_in*/,
                        ffi::Buffer<ffi::S32> /*group_sizes_in*/,
-                       ffi::Buffer<ffi::S32> /*expert_offsets_in*/,
+                       ffi::Buffer<ffi::S32> /*expert_offsets_in*/, ffi::Buffer<ffi::S32> /*workspace_in*/,
                        ffi::Result<ffi::AnyBuffer> permuted, ffi::Result<ffi::Buffer<ffi::S32>> src_index,
                        ffi::Result<ffi::Buffer<ffi::S32>> dest_index,
                        ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
-                       ffi::Result<ffi::Buffer<ffi::S32>> expert_offsets, int64_t align) {
+                       ffi::Result<ffi::Buffer<ffi::S32>> expert_offsets,
+                       ffi::Result<ffi::Buffer<ffi::S32>> /*workspace: used by the CUDA kernels only*/,
+                       int64_t align) {
   // Python validates everything at trace time; these checks only keep a misuse from the C++ side
   // (a hand-written ffi_call) from reading or writing out of bounds.
   const auto ids_dims = topk_ids.dimensions();
@@ -215,11 +217,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteCpu, jax_moe::PermuteImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()     // dest_index (aliased)
                                   .Arg<ffi::Buffer<ffi::S32>>()     // group_sizes (aliased)
                                   .Arg<ffi::Buffer<ffi::S32>>()     // expert_offsets (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // workspace (aliased)
                                   .Ret<ffi::AnyBuffer>()            // permuted [R_cap, H]
                                   .Ret<ffi::Buffer<ffi::S32>>()     // src_index [R_cap]
                                   .Ret<ffi::Buffer<ffi::S32>>()     // dest_index [T_max, k]
                                   .Ret<ffi::Buffer<ffi::S32>>()     // group_sizes [El]
                                   .Ret<ffi::Buffer<ffi::S32>>()     // expert_offsets [El + 1]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // workspace
                                   .Attr<int64_t>("align"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteCpu, jax_moe::UnpermuteImpl,

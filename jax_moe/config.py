@@ -8,6 +8,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+# The CUDA routing keeps per-expert counters in shared memory.
+MAX_LOCAL_EXPERTS = 4096
 ROW_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 SCORINGS = ("softmax", "sigmoid")
 
@@ -61,6 +63,9 @@ class MoEConfig:
         object.__setattr__(self, "renormalize", bool(self.renormalize))
         if self.expert_map is not None:
             object.__setattr__(self, "expert_map", self._checked_expert_map(self.expert_map))
+        if self.num_local_experts > MAX_LOCAL_EXPERTS:
+            raise ValueError(f"MoEConfig: expected at most {MAX_LOCAL_EXPERTS} local experts, got "
+                             f"{self.num_local_experts}")
 
     def _checked_expert_map(self, expert_map) -> tuple[int, ...]:
         values = np.asarray(expert_map)

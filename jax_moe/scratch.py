@@ -10,7 +10,16 @@ import numpy as np
 
 from jax_moe.config import MoEConfig
 
-BUFFER_NAMES = ("permuted", "src_index", "dest_index", "group_sizes", "expert_offsets")
+BUFFER_NAMES = ("permuted", "src_index", "dest_index", "group_sizes", "expert_offsets", "workspace")
+
+# Routes per tile of the multi-launch CUDA routing; the workspace holds one count per
+# (local expert, tile) plus one total per expert. Must equal kTileRoutes in cuda/gpu_kernels.cu.
+ROUTING_TILE = 2048
+
+
+def workspace_size(config: MoEConfig) -> int:
+    tiles = -(-config.max_tokens * config.top_k // ROUTING_TILE)
+    return config.num_local_experts * (tiles + 1)
 
 
 def buffer_shapes(config: MoEConfig) -> dict[str, jax.ShapeDtypeStruct]:
@@ -23,6 +32,7 @@ def buffer_shapes(config: MoEConfig) -> dict[str, jax.ShapeDtypeStruct]:
         "dest_index": jax.ShapeDtypeStruct((config.max_tokens, config.top_k), i32),
         "group_sizes": jax.ShapeDtypeStruct((num_local,), i32),
         "expert_offsets": jax.ShapeDtypeStruct((num_local + 1,), i32),
+        "workspace": jax.ShapeDtypeStruct((workspace_size(config),), i32),
     }
 
 
@@ -41,6 +51,8 @@ class MoEScratch:
         the last ``permute`` are unspecified.
       group_sizes: [El] int32; rows of each local expert, padded to ``config.align``.
       expert_offsets: [El + 1] int32; exclusive prefix sum of ``group_sizes`` (last = live rows).
+      workspace: int32 routing workspace of the CUDA kernels (per-tile expert counts), so that no
+        handler allocates; its contents are unspecified.
       config: the ``MoEConfig`` these buffers were built for.
     """
 
@@ -49,6 +61,7 @@ class MoEScratch:
     dest_index: jax.Array
     group_sizes: jax.Array
     expert_offsets: jax.Array
+    workspace: jax.Array
     config: MoEConfig
 
     def buffers(self) -> tuple[jax.Array, ...]:
