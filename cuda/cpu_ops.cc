@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ffi_shapes.h"
 #include "float_bits.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -14,15 +15,6 @@ namespace ffi = xla::ffi;
 
 namespace jax_moe {
 namespace {
-
-ffi::Error InvalidArgument(const char* message) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, message);
-}
-
-int64_t RowBytes(const ffi::AnyBuffer& rows) {
-  const auto dims = rows.dimensions();
-  return dims.size() == 2 ? dims[1] * static_cast<int64_t>(ffi::ByteWidth(rows.element_type())) : -1;
-}
 
 ffi::Error PermuteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
                        ffi::Buffer<ffi::S32> expert_map, ffi::AnyBuffer /*permuted_in*/,
@@ -33,24 +25,19 @@ ffi::Error PermuteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
                        ffi::Result<ffi::Buffer<ffi::S32>> dest_index,
                        ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                        ffi::Result<ffi::Buffer<ffi::S32>> expert_offsets,
-                       ffi::Result<ffi::Buffer<ffi::S32>> /*workspace: used by the CUDA kernels only*/,
+                       ffi::Result<ffi::Buffer<ffi::S32>> workspace,  // used by the CUDA kernels only
                        int64_t align) {
-  // Python validates everything at trace time; these checks only keep a misuse from the C++ side
-  // (a hand-written ffi_call) from reading or writing out of bounds.
-  const auto ids_dims = topk_ids.dimensions();
-  if (ids_dims.size() != 2 || x.dimensions().size() != 2 || ids_dims[0] != x.dimensions()[0])
-    return InvalidArgument("permute: x must be [T, H] and topk_ids [T, k]");
-  const int64_t num_tokens = ids_dims[0];
-  const int64_t top_k = ids_dims[1];
-  const int64_t num_routes = num_tokens * top_k;
-  const int64_t num_experts = expert_map.element_count();
-  const int64_t num_local = group_sizes->element_count();
-  const int64_t capacity = permuted->dimensions()[0];
-  const int64_t row_bytes = RowBytes(x);
-  if (row_bytes != RowBytes(*permuted) || align < 1 || expert_offsets->element_count() != num_local + 1 ||
-      src_index->element_count() != capacity || dest_index->element_count() < num_routes ||
-      num_routes + num_local * (align - 1) > capacity)
-    return InvalidArgument("permute: scratch buffers do not fit the inputs");
+  PermuteShapes shapes;
+  if (ffi::Error error = CheckPermuteShapes(x, topk_ids, expert_map, *permuted, *src_index, *dest_index,
+                                            *group_sizes, *expert_offsets, *workspace, align, &shapes);
+      error.failure())
+    return error;
+  const int64_t top_k = shapes.top_k;
+  const int64_t num_routes = shapes.num_tokens * top_k;
+  const int64_t num_experts = shapes.num_experts;
+  const int64_t num_local = shapes.num_local;
+  const int64_t capacity = shapes.capacity;
+  const int64_t row_bytes = shapes.row_bytes;
 
   const int32_t* ids = topk_ids.typed_data();
   const int32_t* local_of_global = expert_map.typed_data();
@@ -171,7 +158,7 @@ ffi::Error UnpermuteImpl(ffi::AnyBuffer y, ffi::AnyBuffer topk_weights,
   const auto y_dims = y.dimensions();
   const auto out_dims = out->dimensions();
   if (w_dims.size() != 2 || y_dims.size() != 2 || out_dims.size() != 2 || out_dims[0] != w_dims[0] ||
-      out_dims[1] != y_dims[1] || dest_index.element_count() < w_dims[0] * w_dims[1] ||
+      out_dims[1] != y_dims[1] || static_cast<int64_t>(dest_index.element_count()) < w_dims[0] * w_dims[1] ||
       out->element_type() != y.element_type())
     return InvalidArgument("unpermute: shapes of y, topk_weights, dest_index and out disagree");
   const int64_t num_tokens = w_dims[0], top_k = w_dims[1], hidden = y_dims[1], capacity = y_dims[0];

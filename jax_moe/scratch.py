@@ -14,7 +14,7 @@ BUFFER_NAMES = ("permuted", "src_index", "dest_index", "group_sizes", "expert_of
 
 # Routes per tile of the multi-launch CUDA routing; the workspace holds one count per
 # (local expert, tile) plus one total per expert. Must equal kTileRoutes in cuda/gpu_kernels.cu.
-ROUTING_TILE = 2048
+ROUTING_TILE = 1024
 
 
 def workspace_size(config: MoEConfig) -> int:

@@ -1,0 +1,56 @@
+// Shape checks shared by the CPU and CUDA handlers. Python validates every argument at trace
+// time; these only keep a hand-written ffi_call from reading or writing out of bounds.
+#ifndef JAX_MOE_FFI_SHAPES_H_
+#define JAX_MOE_FFI_SHAPES_H_
+
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_moe {
+
+struct PermuteShapes {
+  int64_t num_tokens, top_k, num_experts, num_local, capacity, row_bytes, workspace_size;
+};
+
+inline xla::ffi::Error InvalidArgument(const char* message) {
+  return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument, message);
+}
+
+inline int64_t RowBytes(const xla::ffi::AnyBuffer& rows) {
+  const auto dims = rows.dimensions();
+  return dims.size() == 2 ? dims[1] * static_cast<int64_t>(xla::ffi::ByteWidth(rows.element_type())) : -1;
+}
+
+inline xla::ffi::Error CheckPermuteShapes(const xla::ffi::AnyBuffer& x, const xla::ffi::Buffer<xla::ffi::S32>& topk_ids,
+                                          const xla::ffi::Buffer<xla::ffi::S32>& expert_map,
+                                          const xla::ffi::AnyBuffer& permuted, const xla::ffi::Buffer<xla::ffi::S32>& src_index,
+                                          const xla::ffi::Buffer<xla::ffi::S32>& dest_index,
+                                          const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
+                                          const xla::ffi::Buffer<xla::ffi::S32>& expert_offsets,
+                                          const xla::ffi::Buffer<xla::ffi::S32>& workspace, int64_t align,
+                                          PermuteShapes* shapes) {
+  const auto ids_dims = topk_ids.dimensions();
+  if (ids_dims.size() != 2 || x.dimensions().size() != 2 || ids_dims[0] != x.dimensions()[0] ||
+      permuted.dimensions().size() != 2)
+    return InvalidArgument("permute: x must be [T, H], topk_ids [T, k] and permuted [R_cap, H]");
+  shapes->num_tokens = ids_dims[0];
+  shapes->top_k = ids_dims[1];
+  shapes->num_experts = expert_map.element_count();
+  shapes->num_local = group_sizes.element_count();
+  shapes->capacity = permuted.dimensions()[0];
+  shapes->row_bytes = RowBytes(x);
+  shapes->workspace_size = workspace.element_count();
+  const int64_t routes = shapes->num_tokens * shapes->top_k;
+  if (shapes->row_bytes != RowBytes(permuted) || align < 1 || shapes->num_local < 1 ||
+      static_cast<int64_t>(expert_offsets.element_count()) != shapes->num_local + 1 ||
+      static_cast<int64_t>(src_index.element_count()) != shapes->capacity ||
+      static_cast<int64_t>(dest_index.element_count()) < routes ||
+      routes + shapes->num_local * (align - 1) > shapes->capacity)
+    return InvalidArgument("permute: scratch buffers do not fit the inputs");
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace jax_moe
+
+#endif  // JAX_MOE_FFI_SHAPES_H_

@@ -1,0 +1,456 @@
+// CUDA permute/unpermute: a deterministic counting sort by local expert, then row copies in
+// 16-byte vectors. Small problems (decode) run in one launch; large ones in four:
+//   tile counts -> per-expert prefix over tiles -> stable ranks and indices -> row copies.
+// Stable ranks come from warp match/ballot and per-warp counters in a fixed order, never from
+// global atomics, so the layout is the contract's argsort(local_id, stable=True) exactly.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "gpu_kernels.h"
+
+namespace jax_moe {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxBlocks = 4096;
+constexpr int64_t kSharedInts = 48 * 1024 / 4;  // default dynamic shared memory limit
+
+__device__ __forceinline__ int LocalExpert(int32_t id, const PermuteArgs& a) {
+  if (id < 0 || id >= a.num_experts) return -1;
+  const int e = __ldg(a.expert_map + id);
+  return (e >= 0 && e < a.num_local) ? e : -1;
+}
+
+__device__ __forceinline__ int32_t RoundUp(int32_t n, int32_t align) { return (n + align - 1) / align * align; }
+
+__device__ __forceinline__ int32_t WarpInclusiveScan(int32_t value) {
+  const int lane = threadIdx.x & 31;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int32_t other = __shfl_up_sync(~0u, value, d);
+    if (lane >= d) value += other;
+  }
+  return value;
+}
+
+// offsets[0..n] = exclusive prefix sum of counts rounded up to align (offsets[n] = total).
+// Whole block; counts may be in shared or global memory. Ends with a barrier.
+__device__ void BlockScanPadded(const int32_t* counts, int32_t* offsets, int n, int32_t align) {
+  __shared__ int32_t warp_totals[32];
+  const int per_thread = (n + blockDim.x - 1) / blockDim.x;
+  const int begin = min(n, static_cast<int>(threadIdx.x) * per_thread);
+  const int end = min(n, begin + per_thread);
+  int32_t own = 0;
+  for (int i = begin; i < end; ++i) own += RoundUp(counts[i], align);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int32_t inclusive = WarpInclusiveScan(own);
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const int32_t total = lane < static_cast<int>(blockDim.x >> 5) ? warp_totals[lane] : 0;
+    const int32_t scanned = WarpInclusiveScan(total);
+    __syncwarp();
+    if (lane < static_cast<int>(blockDim.x >> 5)) warp_totals[lane] = scanned - total;
+  }
+  __syncthreads();
+  int32_t running = warp_totals[warp] + inclusive - own;
+  for (int i = begin; i < end; ++i) {
+    offsets[i] = running;
+    running += RoundUp(counts[i], align);
+  }
+  if (threadIdx.x == blockDim.x - 1) offsets[n] = running;
+  __syncthreads();
+}
+
+// Copies vector v of token t's row to each of its kept destination rows (x is read once).
+template <typename V>
+__device__ __forceinline__ void CopyTokenVector(const PermuteArgs& a, const int32_t* token_rows, int64_t t,
+                                                int64_t v, int64_t vecs_per_row) {
+  const V value = reinterpret_cast<const V*>(a.x)[t * vecs_per_row + v];
+  V* out = reinterpret_cast<V*>(a.permuted);
+  for (int j = 0; j < a.top_k; ++j) {
+    const int32_t row = token_rows[j];
+    if (row >= 0) out[row * vecs_per_row + v] = value;
+  }
+}
+
+template <typename V>
+__device__ __forceinline__ void ZeroRowsVector(const PermuteArgs& a, int64_t begin, int64_t end, int64_t v,
+                                               int64_t vecs_per_row) {
+  V* out = reinterpret_cast<V*>(a.permuted);
+  V zero;
+  memset(&zero, 0, sizeof(V));
+  for (int64_t row = begin; row < end; ++row) out[row * vecs_per_row + v] = zero;
+}
+
+// src_index = -1 on every padding row and every row past the live count. Grid-strided.
+__device__ void MarkUnusedRows(const PermuteArgs& a, const int32_t* offsets, const int32_t* counts) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (a.align > 1) {
+    for (int64_t e = first; e < a.num_local; e += stride)
+      for (int64_t row = offsets[e] + counts[e]; row < offsets[e + 1]; ++row) a.src_index[row] = -1;
+  }
+  for (int64_t row = offsets[a.num_local] + first; row < a.capacity; row += stride) a.src_index[row] = -1;
+}
+
+// ---- Stable ranking of one slice of routes by one warp. Each lane preloads its routes' experts
+// ---- (independent loads in flight), then chunks of 32 go in flat order: match_any groups lanes
+// ---- of one expert, a lane's rank is the count of its lower peers, and the group's lowest lane
+// ---- advances the warp's per-expert counter. No atomics, so the order is fixed.
+constexpr int kMaxRoutesPerLane = kTileRoutes / 32;
+
+__device__ __forceinline__ void LoadSliceExperts(const PermuteArgs& a, int64_t begin, int64_t end,
+                                                 int (&experts)[kMaxRoutesPerLane]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < kMaxRoutesPerLane; ++i) {
+    const int64_t r = begin + i * 32 + lane;
+    experts[i] = r < end ? LocalExpert(a.topk_ids[r], a) : -1;
+  }
+}
+
+// warp_counts[e] += routes of expert e in the slice.
+__device__ __forceinline__ void CountSlice(int64_t begin, int64_t end, const int (&experts)[kMaxRoutesPerLane],
+                                           int32_t* warp_counts) {
+  const unsigned lanes_below = (1u << (threadIdx.x & 31)) - 1;
+#pragma unroll
+  for (int i = 0; i < kMaxRoutesPerLane; ++i) {
+    if (begin + i * 32 >= end) break;  // warp-uniform
+    const unsigned peers = __match_any_sync(~0u, experts[i]);
+    if (experts[i] >= 0 && (peers & lanes_below) == 0) warp_counts[experts[i]] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+// warp_rows[e] holds the next row of expert e for this slice; emit(r, row) for each route (-1 if
+// dropped), in flat order.
+template <typename Emit>
+__device__ __forceinline__ void RankSlice(int64_t begin, int64_t end, const int (&experts)[kMaxRoutesPerLane],
+                                          int32_t* warp_rows, Emit emit) {
+  const int lane = threadIdx.x & 31;
+  const unsigned lanes_below = (1u << lane) - 1;
+#pragma unroll
+  for (int i = 0; i < kMaxRoutesPerLane; ++i) {
+    if (begin + i * 32 >= end) break;  // warp-uniform
+    const int e = experts[i];
+    const unsigned peers = __match_any_sync(~0u, e);
+    const int64_t r = begin + i * 32 + lane;
+    if (r < end) emit(r, e >= 0 ? warp_rows[e] + __popc(peers & lanes_below) : -1);
+    __syncwarp();
+    if (e >= 0 && (peers & lanes_below) == 0) warp_rows[e] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+// Turns per-warp counts into per-warp first rows, in warp order, starting at first_row(e).
+template <typename FirstRow>
+__device__ __forceinline__ void WarpCountsToRows(int32_t* warp_rows, int num_local, int rank_warps, FirstRow first_row) {
+  for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
+    int32_t row = first_row(e);
+    for (int w = 0; w < rank_warps; ++w) {
+      const int32_t count = warp_rows[w * num_local + e];
+      warp_rows[w * num_local + e] = row;
+      row += count;
+    }
+  }
+}
+
+// Ranking warps of a block and the slice each owns, given the shared-memory budget per expert.
+__host__ __device__ __forceinline__ int64_t RankSliceLength(int rank_warps) { return kTileRoutes / rank_warps; }
+
+// ---- Fused path: every block routes all R <= kFusedMaxRoutes routes in shared memory, block 0
+// ---- writes the indices, and all blocks share the row copies. One launch.
+template <typename V>
+__global__ void __launch_bounds__(kThreads) PermuteFusedKernel(PermuteArgs a, int rank_warps) {
+  extern __shared__ int32_t shared[];
+  const int64_t routes = a.num_tokens * a.top_k;
+  const int num_local = static_cast<int>(a.num_local);
+  int32_t* rows = shared;                    // [R] destination row, -1 if dropped
+  int32_t* counts = rows + routes;           // [El] kept routes per expert (unpadded)
+  int32_t* offsets = counts + num_local;     // [El + 1]
+  int32_t* warp_rows = offsets + num_local + 1;  // [rank_warps][El]
+
+  for (int i = threadIdx.x; i < rank_warps * num_local; i += blockDim.x) warp_rows[i] = 0;
+  __syncthreads();
+  const int warp = threadIdx.x >> 5;
+  const int64_t begin = warp * RankSliceLength(rank_warps);
+  const int64_t end = min(routes, begin + RankSliceLength(rank_warps));
+  int experts[kMaxRoutesPerLane];
+  if (warp < rank_warps) {
+    LoadSliceExperts(a, begin, end, experts);
+    CountSlice(begin, end, experts, warp_rows + warp * num_local);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
+    int32_t total = 0;
+    for (int w = 0; w < rank_warps; ++w) total += warp_rows[w * num_local + e];
+    counts[e] = total;
+  }
+  __syncthreads();
+  BlockScanPadded(counts, offsets, num_local, static_cast<int32_t>(a.align));
+  WarpCountsToRows(warp_rows, num_local, rank_warps, [&](int e) { return offsets[e]; });
+  __syncthreads();
+  if (warp < rank_warps)
+    RankSlice(begin, end, experts, warp_rows + warp * num_local, [&](int64_t r, int32_t row) { rows[r] = row; });
+  __syncthreads();
+
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
+      a.group_sizes[e] = offsets[e + 1] - offsets[e];
+      a.expert_offsets[e] = offsets[e];
+    }
+    if (threadIdx.x == 0) a.expert_offsets[num_local] = offsets[num_local];
+    for (int r = threadIdx.x; r < routes; r += blockDim.x) {
+      a.dest_index[r] = rows[r];
+      if (rows[r] >= 0) a.src_index[rows[r]] = r;
+    }
+  }
+  MarkUnusedRows(a, offsets, counts);
+
+  const int64_t vecs_per_row = a.row_bytes / sizeof(V);
+  const int64_t chunks = (vecs_per_row + blockDim.x - 1) / blockDim.x;
+  const int64_t copy_items = a.num_tokens * chunks;
+  for (int64_t item = blockIdx.x; item < copy_items; item += gridDim.x) {
+    const int64_t t = item / chunks, v = (item % chunks) * blockDim.x + threadIdx.x;
+    if (v < vecs_per_row) CopyTokenVector<V>(a, rows + t * a.top_k, t, v, vecs_per_row);
+  }
+  if (a.align > 1) {
+    for (int64_t item = blockIdx.x; item < a.num_local * chunks; item += gridDim.x) {
+      const int64_t e = item / chunks, v = (item % chunks) * blockDim.x + threadIdx.x;
+      if (v < vecs_per_row) ZeroRowsVector<V>(a, offsets[e] + counts[e], offsets[e + 1], v, vecs_per_row);
+    }
+  }
+}
+
+// ---- Large path, launch 1: per-tile expert counts, stored expert-major: workspace[e * tiles + b].
+__global__ void __launch_bounds__(kThreads) TileCountKernel(PermuteArgs a, int tiles) {
+  extern __shared__ int32_t counts[];
+  for (int e = threadIdx.x; e < a.num_local; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  const int64_t routes = a.num_tokens * a.top_k;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kTileRoutes;
+  const int64_t end = min(routes, begin + kTileRoutes);
+  for (int64_t r = begin + threadIdx.x; r < end; r += blockDim.x) {
+    const int e = LocalExpert(a.topk_ids[r], a);
+    if (e >= 0) atomicAdd(&counts[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < a.num_local; e += blockDim.x) a.workspace[e * tiles + blockIdx.x] = counts[e];
+}
+
+// Launch 2: one warp per expert turns its tile counts into exclusive prefixes (the first row of
+// each tile inside the expert's segment), stores the expert's total and its padded group size.
+__global__ void __launch_bounds__(kThreads) TilePrefixKernel(PermuteArgs a, int tiles) {
+  const int lane = threadIdx.x & 31;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (e >= a.num_local) return;
+  int32_t* tile_counts = a.workspace + e * tiles;
+  int32_t running = 0;
+  for (int base = 0; base < tiles; base += 32) {
+    const int b = base + lane;
+    const int32_t count = b < tiles ? tile_counts[b] : 0;
+    const int32_t inclusive = WarpInclusiveScan(count);
+    if (b < tiles) tile_counts[b] = running + inclusive - count;
+    running += __shfl_sync(~0u, inclusive, 31);
+  }
+  if (lane == 0) {
+    a.workspace[a.num_local * tiles + e] = running;
+    a.group_sizes[e] = RoundUp(running, static_cast<int32_t>(a.align));
+  }
+}
+
+// Launch 3: stable ranks inside each tile (RankSlice per warp, warps in order, tiles in order).
+// Writes dest_index, src_index, expert_offsets and the unused-row markers.
+__global__ void __launch_bounds__(kThreads) RankKernel(PermuteArgs a, int tiles, int rank_warps) {
+  extern __shared__ int32_t shared[];
+  const int num_local = static_cast<int>(a.num_local);
+  int32_t* offsets = shared;                     // [El + 1]
+  int32_t* warp_rows = offsets + num_local + 1;  // [rank_warps][El]
+  BlockScanPadded(a.group_sizes, offsets, num_local, 1);
+  for (int i = threadIdx.x; i < rank_warps * num_local; i += blockDim.x) warp_rows[i] = 0;
+  if (blockIdx.x == 0)
+    for (int e = threadIdx.x; e <= num_local; e += blockDim.x) a.expert_offsets[e] = offsets[e];
+  __syncthreads();
+
+  const int warp = threadIdx.x >> 5;
+  const int64_t routes = a.num_tokens * a.top_k;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kTileRoutes + warp * RankSliceLength(rank_warps);
+  const int64_t end = min(routes, begin + RankSliceLength(rank_warps));
+  int experts[kMaxRoutesPerLane];
+  if (warp < rank_warps) {
+    LoadSliceExperts(a, begin, end, experts);
+    CountSlice(begin, end, experts, warp_rows + warp * num_local);
+  }
+  __syncthreads();
+  const int32_t* tile_first = a.workspace + blockIdx.x;  // workspace[e * tiles + tile]
+  WarpCountsToRows(warp_rows, num_local, rank_warps,
+                   [&](int e) { return offsets[e] + tile_first[static_cast<int64_t>(e) * tiles]; });
+  __syncthreads();
+  if (warp < rank_warps) {
+    RankSlice(begin, end, experts, warp_rows + warp * num_local, [&](int64_t r, int32_t row) {
+      a.dest_index[r] = row;
+      if (row >= 0) a.src_index[row] = static_cast<int32_t>(r);
+    });
+  }
+  MarkUnusedRows(a, offsets, a.workspace + a.num_local * tiles);
+}
+
+// Launch 4: row copies, one (token, 256-vector chunk) per block; then padding rows are zeroed.
+template <typename V>
+__global__ void __launch_bounds__(kThreads) CopyRowsKernel(PermuteArgs a, int64_t chunks, int tiles) {
+  const int64_t vecs_per_row = a.row_bytes / sizeof(V);
+  const int64_t copy_items = a.num_tokens * chunks;
+  const int64_t item = blockIdx.x;
+  if (item < copy_items) {
+    const int64_t t = item / chunks, v = (item % chunks) * blockDim.x + threadIdx.x;
+    if (v < vecs_per_row) CopyTokenVector<V>(a, a.dest_index + t * a.top_k, t, v, vecs_per_row);
+  } else {
+    const int64_t e = (item - copy_items) / chunks, v = ((item - copy_items) % chunks) * blockDim.x + threadIdx.x;
+    const int32_t kept = a.workspace[a.num_local * tiles + e];
+    if (v < vecs_per_row)
+      ZeroRowsVector<V>(a, a.expert_offsets[e] + kept, a.expert_offsets[e + 1], v, vecs_per_row);
+  }
+}
+
+template <typename V>
+cudaError_t LaunchPermuteTyped(const PermuteArgs& a, cudaStream_t stream) {
+  const int64_t routes = a.num_tokens * a.top_k;
+  const int64_t vecs_per_row = a.row_bytes / sizeof(V);
+  const int64_t chunks = (vecs_per_row + kThreads - 1) / kThreads;
+  const int64_t padding_items = a.align > 1 ? a.num_local * chunks : 0;
+  // Shared ints per block: rank_warps per-warp counter rows of El beside the other arrays.
+  auto rank_warps_for = [&](int64_t other_ints) {
+    return static_cast<int>(std::clamp<int64_t>((kSharedInts - other_ints) / a.num_local, 1, kWarps));
+  };
+  const int64_t fused_ints = routes + 2 * a.num_local + 1;
+  if (routes <= kFusedMaxRoutes && fused_ints + a.num_local <= kSharedInts) {
+    const int rank_warps = rank_warps_for(fused_ints);
+    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(kMaxBlocks, a.num_tokens * chunks + padding_items));
+    PermuteFusedKernel<V><<<blocks, kThreads, (fused_ints + rank_warps * a.num_local) * 4, stream>>>(a, rank_warps);
+    return cudaGetLastError();
+  }
+  const int tiles = static_cast<int>((routes + kTileRoutes - 1) / kTileRoutes);
+  if (a.workspace_size < a.num_local * (tiles + 1)) return cudaErrorInvalidValue;
+  TileCountKernel<<<tiles, kThreads, a.num_local * 4, stream>>>(a, tiles);
+  TilePrefixKernel<<<(a.num_local + kWarps - 1) / kWarps, kThreads, 0, stream>>>(a, tiles);
+  const int rank_warps = rank_warps_for(a.num_local + 1);
+  RankKernel<<<tiles, kThreads, (a.num_local + 1 + rank_warps * a.num_local) * 4, stream>>>(a, tiles, rank_warps);
+  CopyRowsKernel<V><<<a.num_tokens * chunks + padding_items, kThreads, 0, stream>>>(a, chunks, tiles);
+  return cudaGetLastError();
+}
+
+// ---- Unpermute: one (token, chunk of vectors) per block; each thread sums its lanes over j in
+// ---- ascending order in float32 with separately rounded product and sum (no FMA).
+template <typename Row>
+struct RowTraits;
+template <>
+struct RowTraits<float> {
+  __device__ static float ToFloat(float v) { return v; }
+  __device__ static float FromFloat(float v) { return v; }
+};
+template <>
+struct RowTraits<__nv_bfloat16> {
+  __device__ static float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __nv_bfloat16 FromFloat(float v) { return __float2bfloat16_rn(v); }
+};
+template <>
+struct RowTraits<__half> {
+  __device__ static float ToFloat(__half v) { return __half2float(v); }
+  __device__ static __half FromFloat(float v) { return __float2half_rn(v); }
+};
+
+template <typename Row, int kVec>
+struct alignas(sizeof(Row) * kVec) RowVector {
+  Row lanes[kVec];
+};
+
+constexpr int kLoadsInFlight = 4;
+
+template <typename Row, typename Weight, int kVec>
+__global__ void __launch_bounds__(kThreads) UnpermuteKernel(UnpermuteArgs a, int64_t chunks) {
+  using Vector = RowVector<Row, kVec>;
+  const int64_t vecs_per_row = a.hidden / kVec;
+  const int64_t t = blockIdx.x / chunks;
+  const int64_t v = (blockIdx.x % chunks) * blockDim.x + threadIdx.x;
+  if (v >= vecs_per_row) return;
+  const Vector* y = reinterpret_cast<const Vector*>(a.y);
+  const Weight* weights = reinterpret_cast<const Weight*>(a.topk_weights);
+  float acc[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
+  // Groups of kLoadsInFlight routes: all their loads are issued before the ordered sums.
+  for (int j0 = 0; j0 < a.top_k; j0 += kLoadsInFlight) {
+    bool kept[kLoadsInFlight];
+    float w[kLoadsInFlight];
+    Vector rows[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      const int j = j0 + u;
+      const int32_t row = j < a.top_k ? a.dest_index[t * a.top_k + j] : -1;
+      kept[u] = row >= 0 && row < a.capacity;  // dropped: never read
+      if (kept[u]) {
+        w[u] = RowTraits<Weight>::ToFloat(weights[t * a.top_k + j]);
+        rows[u] = y[row * vecs_per_row + v];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      if (!kept[u]) continue;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i)
+        acc[i] = __fadd_rn(acc[i], __fmul_rn(w[u], RowTraits<Row>::ToFloat(rows[u].lanes[i])));
+    }
+  }
+  Vector result;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) result.lanes[i] = RowTraits<Row>::FromFloat(acc[i]);
+  reinterpret_cast<Vector*>(a.out)[t * vecs_per_row + v] = result;
+}
+
+template <typename Row, typename Weight, int kVec>
+cudaError_t LaunchUnpermuteTyped(const UnpermuteArgs& a, cudaStream_t stream) {
+  const int64_t chunks = (a.hidden / kVec + kThreads - 1) / kThreads;
+  UnpermuteKernel<Row, Weight, kVec><<<a.num_tokens * chunks, kThreads, 0, stream>>>(a, chunks);
+  return cudaGetLastError();
+}
+
+template <typename Row, typename Weight>
+cudaError_t LaunchUnpermuteRows(const UnpermuteArgs& a, cudaStream_t stream) {
+  constexpr int kVec16 = 16 / sizeof(Row);
+  const bool aligned = ((reinterpret_cast<uintptr_t>(a.y) | reinterpret_cast<uintptr_t>(a.out)) % 16) == 0;
+  if (aligned && a.hidden % kVec16 == 0) return LaunchUnpermuteTyped<Row, Weight, kVec16>(a, stream);
+  return LaunchUnpermuteTyped<Row, Weight, 1>(a, stream);
+}
+
+template <typename Row>
+cudaError_t LaunchUnpermuteWeights(const UnpermuteArgs& a, cudaStream_t stream) {
+  return a.weight_type == FloatType::kF32 ? LaunchUnpermuteRows<Row, float>(a, stream)
+                                          : LaunchUnpermuteRows<Row, __nv_bfloat16>(a, stream);
+}
+
+}  // namespace
+
+cudaError_t LaunchPermute(const PermuteArgs& a, cudaStream_t stream) {
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.permuted);
+  if (a.row_bytes % 16 == 0 && addresses % 16 == 0) return LaunchPermuteTyped<uint4>(a, stream);
+  if (a.row_bytes % 4 == 0 && addresses % 4 == 0) return LaunchPermuteTyped<uint32_t>(a, stream);
+  return LaunchPermuteTyped<uint16_t>(a, stream);
+}
+
+cudaError_t LaunchUnpermute(const UnpermuteArgs& a, cudaStream_t stream) {
+  switch (a.row_type) {
+    case FloatType::kF32:
+      return LaunchUnpermuteWeights<float>(a, stream);
+    case FloatType::kBF16:
+      return LaunchUnpermuteWeights<__nv_bfloat16>(a, stream);
+    case FloatType::kF16:
+      return LaunchUnpermuteWeights<__half>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jax_moe

@@ -1,0 +1,45 @@
+// Launchers of the CUDA permute/unpermute kernels (routing contract: DESIGN.md §3).
+#ifndef JAX_MOE_GPU_KERNELS_H_
+#define JAX_MOE_GPU_KERNELS_H_
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace jax_moe {
+
+// Must equal ROUTING_TILE in jax_moe/scratch.py: the workspace holds num_local * (tiles + 1) ints.
+constexpr int64_t kTileRoutes = 1024;
+// Up to one tile of routes, one launch does routing and row copies (every block routes redundantly).
+constexpr int64_t kFusedMaxRoutes = kTileRoutes;
+
+enum class FloatType { kF32, kBF16, kF16 };
+
+struct PermuteArgs {
+  const void* x;               // [T, H]
+  const int32_t* topk_ids;     // [T, k]
+  const int32_t* expert_map;   // [E]
+  void* permuted;              // [capacity, H]
+  int32_t* src_index;          // [capacity]
+  int32_t* dest_index;         // [T_max, k]
+  int32_t* group_sizes;        // [El]
+  int32_t* expert_offsets;     // [El + 1]
+  int32_t* workspace;          // [El * (tiles + 1)]
+  int64_t num_tokens, top_k, num_experts, num_local, capacity, row_bytes, align, workspace_size;
+};
+
+struct UnpermuteArgs {
+  const void* y;               // [capacity, H]
+  const void* topk_weights;    // [T, k]
+  const int32_t* dest_index;   // [>= T, k]
+  void* out;                   // [T, H]
+  int64_t num_tokens, top_k, hidden, capacity;
+  FloatType row_type, weight_type;
+};
+
+cudaError_t LaunchPermute(const PermuteArgs& args, cudaStream_t stream);
+cudaError_t LaunchUnpermute(const UnpermuteArgs& args, cudaStream_t stream);
+
+}  // namespace jax_moe
+
+#endif  // JAX_MOE_GPU_KERNELS_H_

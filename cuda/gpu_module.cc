@@ -1,0 +1,22 @@
+// Exposes the CUDA handlers to Python as PyCapsules for jax.ffi.register_ffi_target.
+#include <pybind11/pybind11.h>
+
+#include "gpu_ops.h"
+
+namespace {
+pybind11::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
+  return pybind11::capsule(reinterpret_cast<void*>(handler));
+}
+}  // namespace
+
+PYBIND11_MODULE(_jax_moe_cuda, m) {
+  m.doc() = "jax_moe CUDA FFI handlers";
+  m.def("registrations", [] {
+    pybind11::dict handlers;
+    handlers["jax_moe_permute"] = Capsule(JaxMoePermuteCuda);
+    handlers["jax_moe_unpermute"] = Capsule(JaxMoeUnpermuteCuda);
+    handlers["jax_moe_bench_noop"] = Capsule(JaxMoeNoopCuda);
+    handlers["jax_moe_bench_copy"] = Capsule(JaxMoeCopyCuda);
+    return handlers;
+  });
+}

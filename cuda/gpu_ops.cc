@@ -1,0 +1,150 @@
+// CUDA FFI handlers: unpack buffers, launch on XLA's stream. They never allocate, never
+// synchronise and never copy to the host, so they are safe inside command buffers (CUDA graphs).
+#include "gpu_ops.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ffi_shapes.h"
+#include "gpu_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_moe {
+namespace {
+
+ffi::Error CudaStatus(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+bool ToFloatType(ffi::DataType type, FloatType* out) {
+  switch (type) {
+    case ffi::F32:
+      *out = FloatType::kF32;
+      return true;
+    case ffi::BF16:
+      *out = FloatType::kBF16;
+      return true;
+    case ffi::F16:
+      *out = FloatType::kF16;
+      return true;
+    default:
+      return false;
+  }
+}
+
+ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
+                       ffi::Buffer<ffi::S32> expert_map, ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                       ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                       ffi::Result<ffi::AnyBuffer> permuted, ffi::Result<ffi::Buffer<ffi::S32>> src_index,
+                       ffi::Result<ffi::Buffer<ffi::S32>> dest_index,
+                       ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                       ffi::Result<ffi::Buffer<ffi::S32>> expert_offsets,
+                       ffi::Result<ffi::Buffer<ffi::S32>> workspace, int64_t align) {
+  PermuteShapes shapes;
+  if (ffi::Error error = CheckPermuteShapes(x, topk_ids, expert_map, *permuted, *src_index, *dest_index,
+                                            *group_sizes, *expert_offsets, *workspace, align, &shapes);
+      error.failure())
+    return error;
+  PermuteArgs args;
+  args.x = x.untyped_data();
+  args.topk_ids = topk_ids.typed_data();
+  args.expert_map = expert_map.typed_data();
+  args.permuted = permuted->untyped_data();
+  args.src_index = src_index->typed_data();
+  args.dest_index = dest_index->typed_data();
+  args.group_sizes = group_sizes->typed_data();
+  args.expert_offsets = expert_offsets->typed_data();
+  args.workspace = workspace->typed_data();
+  args.num_tokens = shapes.num_tokens;
+  args.top_k = shapes.top_k;
+  args.num_experts = shapes.num_experts;
+  args.num_local = shapes.num_local;
+  args.capacity = shapes.capacity;
+  args.row_bytes = shapes.row_bytes;
+  args.align = align;
+  args.workspace_size = shapes.workspace_size;
+  return CudaStatus(LaunchPermute(args, stream), "jax_moe permute");
+}
+
+ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer topk_weights,
+                         ffi::Buffer<ffi::S32> dest_index, ffi::Result<ffi::AnyBuffer> out) {
+  const auto w_dims = topk_weights.dimensions();
+  const auto y_dims = y.dimensions();
+  const auto out_dims = out->dimensions();
+  UnpermuteArgs args;
+  if (w_dims.size() != 2 || y_dims.size() != 2 || out_dims.size() != 2 || out_dims[0] != w_dims[0] ||
+      out_dims[1] != y_dims[1] || static_cast<int64_t>(dest_index.element_count()) < w_dims[0] * w_dims[1] ||
+      out->element_type() != y.element_type() || !ToFloatType(y.element_type(), &args.row_type) ||
+      !ToFloatType(topk_weights.element_type(), &args.weight_type) || args.weight_type == FloatType::kF16)
+    return InvalidArgument("unpermute: shapes or dtypes of y, topk_weights, dest_index and out disagree");
+  args.y = y.untyped_data();
+  args.topk_weights = topk_weights.untyped_data();
+  args.dest_index = dest_index.typed_data();
+  args.out = out->untyped_data();
+  args.num_tokens = w_dims[0];
+  args.top_k = w_dims[1];
+  args.hidden = y_dims[1];
+  args.capacity = y_dims[0];
+  return CudaStatus(LaunchUnpermute(args, stream), "jax_moe unpermute");
+}
+
+// Benchmark floor and ceiling: an empty call on a donated buffer, and a device-to-device copy.
+ffi::Error NoopImpl(cudaStream_t, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
+
+ffi::Error CopyImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> dst) {
+  if (src.size_bytes() != dst->size_bytes()) return InvalidArgument("copy: sizes differ");
+  return CudaStatus(cudaMemcpyAsync(dst->untyped_data(), src.untyped_data(), src.size_bytes(),
+                                    cudaMemcpyDeviceToDevice, stream),
+                    "jax_moe copy");
+}
+
+}  // namespace
+}  // namespace jax_moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteCuda, jax_moe::PermuteImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()            // x [T, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // topk_ids [T, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // expert_map [E]
+                                  .Arg<ffi::AnyBuffer>()            // permuted (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // src_index (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // dest_index (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // group_sizes (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // expert_offsets (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // workspace (aliased)
+                                  .Ret<ffi::AnyBuffer>()            // permuted [R_cap, H]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // src_index [R_cap]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // dest_index [T_max, k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // group_sizes [El]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // expert_offsets [El + 1]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // workspace
+                                  .Attr<int64_t>("align"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteCuda, jax_moe::UnpermuteImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // y [R_cap, H]
+                                  .Arg<ffi::AnyBuffer>()         // topk_weights [T, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // dest_index [T_max, k]
+                                  .Ret<ffi::AnyBuffer>(),        // out [T, H]
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeNoopCuda, jax_moe::NoopImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()   // buffer (aliased)
+                                  .Ret<ffi::AnyBuffer>(),  // the same buffer, untouched
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCopyCuda, jax_moe::CopyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()   // src
+                                  .Ret<ffi::AnyBuffer>(),  // dst, same shape and dtype
+                              {ffi::Traits::kCmdBufferCompatible});

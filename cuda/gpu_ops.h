@@ -1,0 +1,14 @@
+// CUDA XLA FFI handlers for jax_moe (same operands, results and attributes as cpu_ops.h).
+#ifndef JAX_MOE_GPU_OPS_H_
+#define JAX_MOE_GPU_OPS_H_
+
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+XLA_FFI_Error* JaxMoePermuteCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeUnpermuteCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeNoopCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeCopyCuda(XLA_FFI_CallFrame* call_frame);
+}
+
+#endif  // JAX_MOE_GPU_OPS_H_

@@ -1,0 +1,32 @@
+#!/bin/bash
+# One device session on the GPU machine: build with CUDA, GPU tests, compute-sanitizer, benchmark.
+# Usage (repo root): bash tests/gpu_session.sh [bench args...]; logs go to $OUT (default /tmp/jax_moe_gpu).
+set -uo pipefail
+OUT=${OUT:-/tmp/jax_moe_gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+stage() { echo "== $1 ($(date +%T))"; }
+
+stage build
+python3 -m pip install --no-build-isolation --no-deps -e . -Ccmake.define.JAX_MOE_CUDA=ON >"$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+python3 -c "import jax, jax_moe._native as n; print(jax.devices(), 'cpu', n.HAS_CPU, 'cuda', n.HAS_CUDA)"
+
+if [ -z "${SKIP_TESTS:-}" ]; then
+  stage "gpu tests"
+  python3 -m pytest -q -x -m gpu tests/test_gpu.py ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+fi
+
+if [ -z "${SKIP_SANITIZER:-}" ]; then
+  for tool in memcheck racecheck; do
+    stage "compute-sanitizer $tool"
+    compute-sanitizer --tool $tool --print-limit 20 python3 tests/sanitize_gpu.py >"$OUT/sanitizer_$tool.log" 2>&1
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|live rows" "$OUT/sanitizer_$tool.log" | tail -6
+  done
+fi
+
+if [ -n "${BENCH_ARGS:-}" ]; then
+  stage bench
+  python3 -m jax_moe.bench $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+stage done

@@ -1,0 +1,33 @@
+"""A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths,
+padding, an expert map, dropped routes, odd H, all row dtypes. Prints one line per case.
+
+    compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
+"""
+
+import os
+import sys
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax_moe  # noqa: E402
+from cases import _case  # noqa: E402
+
+CASES = [
+    _case("fused_bf16", num_experts=256, top_k=8, hidden_size=7168, max_tokens=16, dtype="bfloat16"),
+    _case("fused_map_align", num_experts=64, top_k=6, hidden_size=100, max_tokens=64, dtype="float16", align=8,
+          expert_map=tuple(e // 2 if e % 2 == 0 else -1 for e in range(64)),
+          ids=lambda rng, T, k, E: rng.integers(-2, E + 2, (T, k))),
+    _case("tiled_f32_dropped", num_experts=128, top_k=8, hidden_size=260, max_tokens=700, dtype="float32", align=4,
+          ids=lambda rng, T, k, E: rng.integers(-3, E + 3, (T, k))),
+    _case("tiled_odd_H", num_experts=2048, top_k=4, hidden_size=3, max_tokens=1500, dtype="bfloat16"),
+]
+
+for case in CASES:
+    config = case.moe_config()
+    scratch = jax_moe.init_scratch(config)
+    scratch = jax.jit(jax_moe.permute, donate_argnums=2)(case.x, case.topk_ids, scratch)
+    y = np.random.default_rng(0).standard_normal((config.capacity, config.hidden_size)).astype(case.x.dtype)
+    out = jax.jit(jax_moe.unpermute)(y, case.topk_weights, scratch)
+    print(case.name, "live rows", int(scratch.expert_offsets[-1]), "out finite", bool(np.isfinite(np.asarray(out, np.float32)).all()))
