@@ -40,12 +40,12 @@ ffi::Error PermuteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
   const int64_t row_bytes = shapes.row_bytes;
 
   const int32_t* ids = topk_ids.typed_data();
-  const int32_t* local_of_global = expert_map.typed_data();
+  const int32_t* local_of_global = expert_map.element_count() == 0 ? nullptr : expert_map.typed_data();
   std::vector<int32_t> local(num_routes);
   std::vector<int64_t> count(num_local, 0);
   for (int64_t r = 0; r < num_routes; ++r) {
     const int32_t id = ids[r];
-    int32_t e = (id >= 0 && id < num_experts) ? local_of_global[id] : -1;
+    int32_t e = (id >= 0 && id < num_experts) ? (local_of_global ? local_of_global[id] : id) : -1;
     if (e >= num_local) e = -1;  // a corrupt map entry is treated as "not on this device"
     local[r] = e;
     if (e >= 0) ++count[e];
@@ -198,7 +198,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteCpu, jax_moe::PermuteImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()            // x [T, H]
                                   .Arg<ffi::Buffer<ffi::S32>>()     // topk_ids [T, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // expert_map [E]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // expert_map [E], or [0] for identity
                                   .Arg<ffi::AnyBuffer>()            // permuted (aliased)
                                   .Arg<ffi::Buffer<ffi::S32>>()     // src_index (aliased)
                                   .Arg<ffi::Buffer<ffi::S32>>()     // dest_index (aliased)

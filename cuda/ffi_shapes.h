@@ -36,7 +36,8 @@ inline xla::ffi::Error CheckPermuteShapes(const xla::ffi::AnyBuffer& x, const xl
     return InvalidArgument("permute: x must be [T, H], topk_ids [T, k] and permuted [R_cap, H]");
   shapes->num_tokens = ids_dims[0];
   shapes->top_k = ids_dims[1];
-  shapes->num_experts = expert_map.element_count();
+  // An empty expert_map means the identity map: E = El, no lookup.
+  shapes->num_experts = expert_map.element_count() == 0 ? group_sizes.element_count() : expert_map.element_count();
   shapes->num_local = group_sizes.element_count();
   shapes->capacity = permuted.dimensions()[0];
   shapes->row_bytes = RowBytes(x);

@@ -18,7 +18,7 @@ enum class FloatType { kF32, kBF16, kF16 };
 struct PermuteArgs {
   const void* x;               // [T, H]
   const int32_t* topk_ids;     // [T, k]
-  const int32_t* expert_map;   // [E]
+  const int32_t* expert_map;   // [E], or nullptr for the identity map
   void* permuted;              // [capacity, H]
   int32_t* src_index;          // [capacity]
   int32_t* dest_index;         // [T_max, k]

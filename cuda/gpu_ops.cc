@@ -52,7 +52,7 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
   PermuteArgs args;
   args.x = x.untyped_data();
   args.topk_ids = topk_ids.typed_data();
-  args.expert_map = expert_map.typed_data();
+  args.expert_map = expert_map.element_count() == 0 ? nullptr : expert_map.typed_data();
   args.permuted = permuted->untyped_data();
   args.src_index = src_index->typed_data();
   args.dest_index = dest_index->typed_data();
@@ -110,7 +110,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteCuda, jax_moe::PermuteImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()            // x [T, H]
                                   .Arg<ffi::Buffer<ffi::S32>>()     // topk_ids [T, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // expert_map [E]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // expert_map [E], or [0] for identity
                                   .Arg<ffi::AnyBuffer>()            // permuted (aliased)
                                   .Arg<ffi::Buffer<ffi::S32>>()     // src_index (aliased)
                                   .Arg<ffi::Buffer<ffi::S32>>()     // dest_index (aliased)

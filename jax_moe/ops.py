@@ -37,7 +37,9 @@ def _permute_native(x, ids, scratch: MoEScratch) -> MoEScratch:
         tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers),
         input_output_aliases=_PERMUTE_ALIASES,
         vmap_method=_VMAP_METHOD)
-    outputs = call(x, ids, jnp.asarray(config.expert_map_array()), *buffers, align=np.int64(config.align))
+    # An empty map tells the handlers "identity": no per-route lookup.
+    expert_map = np.zeros((0,), np.int32) if config.expert_map is None else config.expert_map_array()
+    outputs = call(x, ids, jnp.asarray(expert_map), *buffers, align=np.int64(config.align))
     return scratch.replace(**dict(zip(BUFFER_NAMES, outputs)))
 
 
