@@ -67,14 +67,6 @@ __device__ void BlockScanPadded(const int32_t* counts, int32_t* offsets, int n, 
   __syncthreads();
 }
 
-// Copies kVectorsPerThread vectors of x (flat indices first, first + kThreads, ...) to each kept
-// destination row of their tokens. x is read once; all loads are issued before the stores.
-// token_rows(t) points at token t's k destination rows.
-// Measured on the H200 (T = 16384, DeepSeek-V3 rows, % of the cudaMemcpy rate): one vector per
-// thread with streaming stores 86.8%, two vectors with streaming stores 86.3%, two with plain
-// stores 84.7%.
-constexpr int kVectorsPerThread = 1;
-
 // Permuted rows are written once and not read back by this kernel: streaming (evict-first) stores.
 template <typename V>
 __device__ __forceinline__ void StoreOnce(V* p, const V& v) {
@@ -85,35 +77,31 @@ __device__ __forceinline__ void StoreOnce(V* p, const V& v) {
   }
 }
 
+// Row copies go by flat vector index i over x [T, H/V]: thread i loads x's vector once and stores
+// it to each kept destination row of its token (token_rows(t) -> its k rows). Measured on the
+// H200 (T = 16384, DeepSeek-V3 rows, % of the cudaMemcpy rate): one vector per thread with
+// streaming stores 86.8%, two vectors with streaming stores 86.3%, two with plain stores 84.7%.
+template <typename V>
+__device__ __forceinline__ bool LoadTokenVector(const PermuteArgs& a, int64_t i, int64_t vecs_per_row, V* value) {
+  if (i >= a.num_tokens * vecs_per_row) return false;
+  *value = reinterpret_cast<const V*>(a.x)[i];
+  return true;
+}
+
 template <typename V, typename TokenRows>
-__device__ __forceinline__ void CopyTokenVectors(const PermuteArgs& a, int64_t first, int64_t vecs_per_row,
+__device__ __forceinline__ void StoreTokenVector(const PermuteArgs& a, int64_t i, int64_t vecs_per_row, const V& value,
                                                  TokenRows token_rows) {
-  const int64_t total = a.num_tokens * vecs_per_row;
-  const V* x = reinterpret_cast<const V*>(a.x);
+  const int64_t t = i / vecs_per_row, v = i % vecs_per_row;
+  const int32_t* rows = token_rows(t);
   V* out = reinterpret_cast<V*>(a.permuted);
-  V values[kVectorsPerThread];
-#pragma unroll
-  for (int u = 0; u < kVectorsPerThread; ++u) {
-    const int64_t i = first + u * kThreads;
-    if (i < total) values[u] = x[i];
-  }
-#pragma unroll
-  for (int u = 0; u < kVectorsPerThread; ++u) {
-    const int64_t i = first + u * kThreads;
-    if (i >= total) break;
-    const int64_t t = i / vecs_per_row, v = i % vecs_per_row;
-    const int32_t* rows = token_rows(t);
-    for (int j = 0; j < a.top_k; ++j) {
-      const int32_t row = rows[j];
-      if (row >= 0) StoreOnce(out + row * vecs_per_row + v, values[u]);
-    }
+  for (int j = 0; j < a.top_k; ++j) {
+    const int32_t row = rows[j];
+    if (row >= 0) StoreOnce(out + row * vecs_per_row + v, value);
   }
 }
 
-// Vector blocks needed to copy all tokens, kThreads * kVectorsPerThread vectors per block.
 __host__ __device__ __forceinline__ int64_t CopyBlocks(int64_t num_tokens, int64_t vecs_per_row) {
-  const int64_t per_block = kThreads * kVectorsPerThread;
-  return (num_tokens * vecs_per_row + per_block - 1) / per_block;
+  return (num_tokens * vecs_per_row + kThreads - 1) / kThreads;
 }
 
 template <typename V>
@@ -213,6 +201,12 @@ __global__ void __launch_bounds__(kThreads) PermuteFusedKernel(PermuteArgs a, in
   int32_t* offsets = counts + num_local;     // [El + 1]
   int32_t* warp_rows = offsets + num_local + 1;  // [rank_warps][El]
 
+  // This block's first row vector does not depend on the routing: its load overlaps it.
+  const int64_t vecs_per_row = a.row_bytes / sizeof(V);
+  const int64_t first_vector = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  V first_value;
+  const bool loaded = LoadTokenVector<V>(a, first_vector, vecs_per_row, &first_value);
+
   for (int i = threadIdx.x; i < rank_warps * num_local; i += blockDim.x) warp_rows[i] = 0;
   __syncthreads();
   const int warp = threadIdx.x >> 5;
@@ -250,11 +244,14 @@ __global__ void __launch_bounds__(kThreads) PermuteFusedKernel(PermuteArgs a, in
   }
   MarkUnusedRows(a, offsets, counts);
 
-  const int64_t vecs_per_row = a.row_bytes / sizeof(V);
   const int64_t chunks = (vecs_per_row + blockDim.x - 1) / blockDim.x;
-  for (int64_t block = blockIdx.x; block < CopyBlocks(a.num_tokens, vecs_per_row); block += gridDim.x) {
-    CopyTokenVectors<V>(a, block * kThreads * kVectorsPerThread + threadIdx.x, vecs_per_row,
-                        [&](int64_t t) { return rows + t * a.top_k; });
+  auto token_rows = [&](int64_t t) { return rows + t * a.top_k; };
+  if (loaded) StoreTokenVector<V>(a, first_vector, vecs_per_row, first_value, token_rows);
+  for (int64_t i = first_vector + static_cast<int64_t>(gridDim.x) * kThreads; i < a.num_tokens * vecs_per_row;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    V value;
+    LoadTokenVector<V>(a, i, vecs_per_row, &value);
+    StoreTokenVector<V>(a, i, vecs_per_row, value, token_rows);
   }
   if (a.align > 1) {
     for (int64_t item = blockIdx.x; item < a.num_local * chunks; item += gridDim.x) {
@@ -343,8 +340,10 @@ __global__ void __launch_bounds__(kThreads) CopyRowsKernel(PermuteArgs a, int64_
   const int64_t vecs_per_row = a.row_bytes / sizeof(V);
   const int64_t copy_blocks = CopyBlocks(a.num_tokens, vecs_per_row);
   if (blockIdx.x < copy_blocks) {
-    CopyTokenVectors<V>(a, blockIdx.x * kThreads * kVectorsPerThread + threadIdx.x, vecs_per_row,
-                        [&](int64_t t) { return a.dest_index + t * a.top_k; });
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    V value;
+    if (LoadTokenVector<V>(a, i, vecs_per_row, &value))
+      StoreTokenVector<V>(a, i, vecs_per_row, value, [&](int64_t t) { return a.dest_index + t * a.top_k; });
   } else {
     const int64_t item = blockIdx.x - copy_blocks;
     const int64_t e = item / chunks, v = (item % chunks) * blockDim.x + threadIdx.x;

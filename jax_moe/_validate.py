@@ -56,9 +56,10 @@ def check_permute_args(x, topk_ids, scratch) -> jax.Array:
 
 
 def normalize_ids(topk_ids: jax.Array, num_experts: int) -> jax.Array:
-    """int32 ids; any id outside [0, E) becomes -1 *before* the cast, so wide ids cannot wrap."""
-    if topk_ids.dtype == jnp.int32:
-        return topk_ids
+    """int32 ids. Narrow ids convert exactly; for wider ones any id outside [0, E) becomes -1
+    *before* the cast, so they cannot wrap into range."""
+    if jnp.dtype(topk_ids.dtype).itemsize < 4 or topk_ids.dtype == jnp.int32:
+        return topk_ids.astype(jnp.int32)  # E itself may not fit a narrow dtype: compare in int32
     in_range = (topk_ids >= 0) & (topk_ids < num_experts)
     return jnp.where(in_range, topk_ids, -1).astype(jnp.int32)
 
