@@ -1,0 +1,33 @@
+"""Benchmarks of jax_moe on the device: ``python -m jax_moe.bench --suite permute|stack|all``.
+
+Suite ``permute`` (issue 3): per layer, inside a jitted ``lax.scan`` of L layers, jax_moe permute,
+unpermute and the pair (scratch donated, and the pair not donated); the pure-JAX baselines
+(argsort permute + argsort unpermute, and the MaxText ``jnp.repeat`` permute); the per-layer
+floors (the same scan with a trivial body, and with two no-op custom calls on a donated buffer);
+and a device-to-device copy of the same bytes as the bandwidth ceiling. Rolled (``unroll=1``)
+and fully unrolled scans. Output: µs per layer, GB/s, % of the copy ceiling, ratio to argsort.
+
+Suite ``stack`` (issue 4): one jitted decode step of the whole scanned MoE stack (``moe_stack``,
+scratch donated or not, vs ``baseline_moe_stack``), rolled and unrolled.
+
+How a per-layer time is measured (host dispatch excluded). A jitted call costs tens of µs of host
+dispatch, more than a decode layer, so one call per layer cannot be timed. Instead each case is
+compiled for two scan lengths L1 < L2 (``--layers``, default 4 and 12), each call is timed from
+dispatch to ``block_until_ready``, and t(L) = fixed + L * per_layer, where fixed holds the host
+dispatch, argument handling and anything a program does once (e.g. copying a non-donated
+scratch). So per_layer = (median t(L2) - median t(L1)) / (L2 - L1). The routing (random ids,
+softmax weights) is a per-layer input (scan ``xs``), never a constant; x is in the carry and each
+layer's output is the next layer's input, so nothing is dead code or folded away
+(``permute_suite`` says how; ``tests/test_bench.py`` checks the compiled programs).
+
+Time budget (one H200, estimated, compile-bound): ``--suite permute`` about 3 min (800 small
+programs), ``--suite stack`` about 2-3 min (36 programs with GEMM autotuning), ``--quick`` about
+1-2 min. All programs of one shape are lowered first, then compiled concurrently in threads (XLA
+compiles without the GIL), then timed one by one; unrolled scans run only at decode sizes
+(T <= 16); floors once per model; repeats adapt to about 0.15 s per case. JSON and markdown are
+rewritten after every shape, so a run cut short (``--time-limit``, or a kill) keeps its results.
+"""
+
+from jax_moe.bench.cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,3 @@
+from jax_moe.bench.cli import main
+
+main()

@@ -1,0 +1,163 @@
+"""CPU smoke tests of the benchmark harness (jax_moe.bench) on tiny shapes.
+
+They check that the harness runs end to end, that its JSON and markdown have the promised
+structure, that every derived number (per layer, GB/s, % of ceiling, ratio) is computed from the
+measured times, and that each program really does one op per layer (nothing folded or dead).
+The numbers themselves mean nothing on CPU.
+"""
+
+import json
+import math
+import re
+
+import jax
+import pytest
+
+from jax_moe.bench import cli, permute_suite, report, stack_suite, timing
+from jax_moe.bench.models import MODELS
+
+TINY = MODELS["tiny"]
+LAYERS = (1, 3)
+# HLO structure differs per backend (XLA:GPU turns sorts into library calls): counted on CPU only.
+cpu_hlo_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="counts XLA:CPU HLO ops")
+
+
+@pytest.fixture(scope="module")
+def permute_rows():
+    rows, notes = permute_suite.run([TINY], (2,), timing.Clock(), compile_threads=2, layer_counts=LAYERS)
+    assert notes
+    return rows
+
+
+def _close(a, b):
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_permute_suite_runs_every_case(permute_rows):
+    seen = {(r["T"], r["case"], r["scan"]) for r in permute_rows}
+    for tokens in (2,):
+        for case in permute_suite.SHAPE_CASES:
+            for scan in permute_suite.scans_for(case, tokens):
+                assert (tokens, case.name, scan) in seen
+    floors = {(r["T"], r["case"], r["scan"]) for r in permute_rows if r["impl"] == "floor"}
+    assert floors == {(2, c.name, s) for c in permute_suite.FLOOR_CASES for s in ("rolled", "unrolled")}
+    assert not [r for r in permute_rows if "error" in r], [r["error"] for r in permute_rows if "error" in r]
+
+
+def test_permute_numbers_come_from_measured_times(permute_rows):
+    small, large = (str(n) for n in LAYERS)
+    checked_ratio = checked_ceiling = 0
+    for row in permute_rows:
+        program = row["program_us"]
+        assert set(program) == {small, large} and row["repeats"] >= timing.MIN_REPEATS
+        assert all(v > 0 for v in program.values())
+        assert _close(row["us_per_layer"], (program[large] - program[small]) / (LAYERS[1] - LAYERS[0]))
+        if "gb_per_s" in row:
+            assert _close(row["gb_per_s"], row["bytes"] / (row["us_per_layer"] * 1e-6) / 1e9)
+        if "ratio_to_baseline" in row:
+            baseline = next(r for r in permute_rows if (r["T"], r["case"], r["scan"]) ==
+                            (row["T"], f"argsort/{row['op']}", row["scan"]))
+            assert _close(row["ratio_to_baseline"], row["us_per_layer"] / baseline["us_per_layer"])
+            checked_ratio += 1
+        if "pct_of_copy_ceiling" in row:
+            copy = next(r for r in permute_rows if r["T"] == row["T"] and r["case"] == "copy/copy")
+            assert _close(row["ceiling_gb_per_s"], copy["gb_per_s"])
+            assert _close(row["pct_of_copy_ceiling"], 100 * row["gb_per_s"] / copy["gb_per_s"])
+            checked_ceiling += 1
+    assert checked_ratio and checked_ceiling  # CPU noise may leave a few out, never all
+
+
+def test_traffic_formula():
+    model = MODELS["deepseek_v3"]  # E256, k8, H7168, bf16
+    tokens, routes = 16, 128
+    rows = (tokens + routes) * 7168 * 2
+    assert permute_suite.traffic_bytes("permute", model, tokens) == rows + 12 * routes + 4 * (2 * 256 + 1)
+    assert permute_suite.traffic_bytes("unpermute", model, tokens) == rows + 8 * routes
+    assert permute_suite.copy_elements(model, tokens) * 2 * 2 == rows  # the copy reads and writes
+
+
+# Per layer of an unrolled program: (HLO op, count per layer, count outside the layers).
+PER_LAYER_OPS = {
+    "jax_moe/pair": ("custom-call", 2, 0),
+    "jax_moe/permute": ("custom-call", 1, 0),
+    "jax_moe/unpermute": ("custom-call", 1, 1),  # plus the one permute before the loop
+    "argsort/pair": ("sort", 2, 0),  # argsort and inverse argsort
+    "argsort/permute": ("sort", 1, 0),
+    "argsort/unpermute": ("sort", 1, 1),
+    "repeat/pair": ("sort", 2, 0),
+    "floor/two_noops": ("custom-call", 2, 0),
+}
+
+
+@cpu_hlo_only
+@pytest.mark.parametrize("case_name", sorted(PER_LAYER_OPS))
+def test_every_layer_does_its_work(case_name):
+    """Unrolled, each layer's ops must all survive XLA's DCE and CSE (routing is per-layer input)."""
+    impl, op = case_name.split("/")
+    program = permute_suite.build_program(permute_suite.Case(impl, op), TINY, 4, permute_suite.UNROLLED)
+    key = jax.random.PRNGKey(0)
+    layers = 3
+    routing = permute_suite.random_routing(key, layers, 4, TINY.num_experts, TINY.top_k)
+    hlo = jax.jit(program.fn, donate_argnums=0).lower(jax.eval_shape(program.make_state, key), routing)
+    compiled = hlo.compile()
+    text = compiled.as_text()
+    opcode, per_layer, extra = PER_LAYER_OPS[case_name]
+    assert len(re.findall(rf" {opcode}\(", text)) == per_layer * layers + extra
+    if case_name in ("argsort/permute", "argsort/pair"):  # group sizes (bincount) stay live too
+        assert len(re.findall(r" scatter\(", text)) == layers
+    if impl in ("jax_moe", "floor"):  # the harness adds no copy (bincount's zeros get one on CPU)
+        assert timing.buffer_copies(compiled) == 0
+
+
+@cpu_hlo_only
+def test_rows_record_buffer_copies(permute_rows):
+    not_donated = [r for r in permute_rows if r["case"] == "jax_moe/pair/not-donated"]
+    donated = [r for r in permute_rows if r["case"] == "jax_moe/pair"]
+    assert all(set(r["hlo_buffer_copies"]) == {str(n) for n in LAYERS} for r in donated + not_donated)
+    assert all(v == 0 for r in donated for v in r["hlo_buffer_copies"].values())
+    assert all(v > 0 for r in not_donated for v in r["hlo_buffer_copies"].values())  # copied once
+
+
+def test_stack_suite_runs_and_compares_to_baseline():
+    rows, notes = stack_suite.run([TINY], (1,), timing.Clock(), compile_threads=2)
+    assert len(rows) == len(stack_suite.VARIANTS) * 2 and notes
+    assert not [r for r in rows if "error" in r], [r["error"] for r in rows if "error" in r]
+    for row in rows:
+        assert row["step_us_latency"] > 0 and row["step_us_back_to_back"] > 0
+        assert _close(row["us_per_layer"], row["step_us_back_to_back"] / TINY.stack_layers)
+        baseline = next(r for r in rows if r["variant"] == "baseline" and r["scan"] == row["scan"])
+        assert _close(row["ratio_to_baseline"], row["step_us_back_to_back"] / baseline["step_us_back_to_back"])
+        if row["variant"] != "baseline":
+            assert row["scratch_bytes"] > 0
+
+
+def test_cli_writes_json_and_markdown(tmp_path):
+    records = cli.main(["--suite", "permute", "--models", "tiny", "--tokens", "1", "--layers", "1", "2",
+                        "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "bench_permute.json").read_text())
+    assert record["rows"] == json.loads(json.dumps(records["permute"]["rows"]))
+    meta = record["meta"]
+    for key in ("device_kind", "jax", "jaxlib", "date", "command", "platform"):
+        assert meta[key]
+    assert meta["device_kind"] == jax.devices()[0].device_kind and meta["jax"] == jax.__version__
+    assert record["bytes_formula"] == permute_suite.BYTES_FORMULA
+    assert record["layer_counts"] == [1, 2]
+    markdown = (tmp_path / "bench_permute.md").read_text()
+    assert meta["device_kind"] in markdown and permute_suite.BYTES_FORMULA in markdown
+    headers = [line for line in markdown.splitlines() if line.startswith("| T |")]
+    assert len(headers) == 2  # rolled and unrolled tables of the one model
+    assert "| model | T | scan | loop, trivial body |" in markdown
+    pair = next(r for r in record["rows"] if r["case"] == "jax_moe/pair" and r["scan"] == "rolled")
+    assert report.fmt_us(pair["us_per_layer"]) in markdown
+
+
+def test_cli_selection():
+    args = cli.parse_args(["--models", "tiny,mixtral", "--tokens", "1,16", "4"])
+    assert args.models == ["tiny", "mixtral"] and args.tokens == [1, 16, 4]
+    quick = cli.parse_args(["--quick"])
+    models, tokens = cli._selection(quick, (), (), ("qwen3_30b",), (1, 16))
+    assert [m.name for m in models] == ["qwen3_30b"] and tokens == (1, 16)
+    assert quick.layers == permute_suite.LAYER_COUNTS
+    for bad in (["--models", "gpt5"], ["--layers", "3", "3"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(bad)
