@@ -2,8 +2,10 @@
 
 from jax_moe import reference
 from jax_moe.config import MoEConfig
+from jax_moe.layers import init_moe_params, moe_layer, moe_stack
 from jax_moe.ops import permute, unpermute
 from jax_moe.scratch import MoEScratch, init_scratch
 
-__all__ = ["MoEConfig", "MoEScratch", "init_scratch", "permute", "unpermute", "reference"]
+__all__ = ["MoEConfig", "MoEScratch", "init_scratch", "permute", "unpermute", "reference",
+           "init_moe_params", "moe_layer", "moe_stack"]
 __version__ = "0.1.0"

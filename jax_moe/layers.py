@@ -173,7 +173,11 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
     check_layer_params("moe_layer", layer_params, config, stacked=False)
     expert_fn = swiglu_experts if expert_fn is None else expert_fn
     weights, ids = route(layer_params["router"], x, config)
-    scratch = permute(x, ids, scratch)
+    # The scratch is state, not a differentiable value: stopping its gradient on the way in and
+    # out keeps it out of autodiff entirely (otherwise custom_vjp instantiates a zero [R_cap, H]
+    # tangent for it and a scanned stack carries that tangent through every layer). It lowers to
+    # nothing, so the buffers still flow straight from one aliased call to the next.
+    scratch = permute(x, ids, lax.stop_gradient(scratch))
     rows_out = _experts_on_scratch(expert_fn, layer_params, scratch, x.shape[0])
     y = unpermute(rows_out, weights, scratch)
     return y, lax.stop_gradient(scratch)

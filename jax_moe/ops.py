@@ -84,21 +84,25 @@ def _unpermute(y, topk_weights, dest_index):
 
 def _unpermute_fwd(y, topk_weights, dest_index):
     dest = dest_index[:topk_weights.shape[0]]
-    return _unpermute_any(y, topk_weights, dest_index), (y, topk_weights, dest)
+    # Residuals: the [T, k, H] rows the routes read (not all R_cap rows of y, which matters when
+    # T < max_tokens), and a zero-width array that carries y's row count and dtype for free.
+    gathered = jnp.where((dest >= 0)[:, :, None], y[jnp.maximum(dest, 0)], jnp.zeros((), y.dtype))
+    y_like = jnp.zeros((y.shape[0], 0), y.dtype)
+    return _unpermute_any(y, topk_weights, dest_index), (gathered, topk_weights, dest, y_like)
 
 
 def _unpermute_bwd(residuals, d_out):
-    y, topk_weights, dest = residuals
+    gathered, topk_weights, dest, y_like = residuals
     kept = dest >= 0
     d_out32 = d_out.astype(jnp.float32)
     # d y[dest[t, j]] = w[t, j] * d out[t]; rows no route points at (padding, past the end) get 0.
-    scatter_rows = jnp.where(kept, dest, y.shape[0]).reshape(-1)
-    contributions = (topk_weights.astype(jnp.float32)[:, :, None] * d_out32[:, None, :]).reshape(-1, y.shape[1])
-    dy = jnp.zeros(y.shape, jnp.float32).at[scatter_rows].set(contributions, mode="drop").astype(y.dtype)
+    num_rows, hidden = y_like.shape[0], d_out.shape[1]
+    scatter_rows = jnp.where(kept, dest, num_rows).reshape(-1)
+    contributions = (topk_weights.astype(jnp.float32)[:, :, None] * d_out32[:, None, :]).reshape(-1, hidden)
+    dy = jnp.zeros((num_rows, hidden), jnp.float32).at[scatter_rows].set(contributions, mode="drop")
     # d w[t, j] = <y[dest[t, j]], d out[t]>, zero for dropped routes.
-    gathered = y[jnp.maximum(dest, 0)].astype(jnp.float32)
-    dw = jnp.where(kept, jnp.einsum("tkh,th->tk", gathered, d_out32), 0.0).astype(topk_weights.dtype)
-    return dy, dw, None
+    dw = jnp.where(kept, jnp.einsum("tkh,th->tk", gathered.astype(jnp.float32), d_out32), 0.0)
+    return dy.astype(y_like.dtype), dw.astype(topk_weights.dtype), None
 
 
 _unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
