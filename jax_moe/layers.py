@@ -71,7 +71,9 @@ def route(router: jax.Array, x: jax.Array, config: MoEConfig) -> tuple[jax.Array
       ``(topk_weights [T, k] float32, topk_ids [T, k] int32)``: global expert ids, weights from
       softmax (over all E) or sigmoid scores, renormalised over the k chosen when configured.
     """
-    logits = jnp.dot(x, router, preferred_element_type=jnp.float32)
+    # Full float32 precision: on GPUs XLA's default f32 dot is TF32, whose rounding can flip the
+    # top-k choice between close experts. The [T, H] x [H, E] router GEMM is cheap either way.
+    logits = jnp.dot(x, router, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
     scores = jax.nn.softmax(logits, axis=-1) if config.scoring == "softmax" else jax.nn.sigmoid(logits)
     weights, ids = lax.top_k(scores, config.top_k)
     if config.renormalize:
