@@ -1,0 +1,31 @@
+"""Shared pytest setup: tests marked ``gpu`` skip cleanly when no CUDA device is visible."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+
+# The helper modules (cases, oracle) import by name whatever pytest's import mode.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.cache
+def gpu_available() -> bool:
+    """True when JAX sees at least one GPU (False on CPU-only jaxlib, where 'gpu' is unknown)."""
+    import jax
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items or gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: jax.devices('gpu') is unavailable")
+    for item in gpu_items:
+        item.add_marker(skip)

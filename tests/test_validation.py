@@ -1,0 +1,264 @@
+"""Trace-time validation (issue 2, item 4): each misuse is a ValueError naming the argument, the
+expected and the actual value, raised while tracing (under jax.jit, on abstract values), never an
+assert, a kernel crash or a silently wrong answer."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_moe
+from jax_moe import reference
+
+BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+
+# capacity = 8 * 2 + 6 * (4 - 1) = 34, rounded up to 36.
+CONFIG = jax_moe.MoEConfig(num_experts=6, top_k=2, hidden_size=16, max_tokens=8, dtype=BF16, align=4)
+CAPACITY = 36
+
+
+def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def abstract_scratch(config=CONFIG, **buffers):
+    """A MoEScratch of ShapeDtypeStructs for ``config``, with some buffers replaced."""
+    scratch = jax.tree.map(lambda b: sds(b.shape, b.dtype), jax.eval_shape(lambda: jax_moe.init_scratch(config)))
+    return scratch.replace(**buffers)
+
+
+SCRATCH = abstract_scratch()
+X, IDS = sds((5, 16), BF16), sds((5, 2), I32)
+Y, WEIGHTS = sds((CAPACITY, 16), BF16), sds((5, 2), F32)
+
+
+def concrete(tree):
+    """Zeros in place of every ShapeDtypeStruct (for the eager calls)."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a,
+                        tree)
+
+
+def run(fn, args, mode):
+    if mode == "eager":
+        return fn(*concrete(args))
+    # Lowering abstract arguments: no data exists, so any error must come from tracing.
+    return jax.jit(fn).lower(*args)
+
+
+def message(op, arg, expected, actual):
+    """A regex for '<op>: <arg>: expected ...<expected>..., got <actual>...'.
+
+    Literal parts are escaped; an ``actual`` given as a compiled pattern is used as a regex.
+    """
+    actual = actual.pattern if isinstance(actual, re.Pattern) else re.escape(actual)
+    return rf"^{re.escape(op)}: {re.escape(arg)}: expected .*{re.escape(expected)}.*, got {actual}"
+
+
+MODES = ["eager", "jit"]
+PERMUTES = {"native": jax_moe.permute, "reference": reference.permute}
+UNPERMUTES = {"native": jax_moe.unpermute, "reference": reference.unpermute}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("impl", PERMUTES)
+def test_valid_arguments_pass(impl, mode):
+    """Control: the arguments the error cases below start from are accepted."""
+    run(PERMUTES[impl], (X, IDS, SCRATCH), mode)
+    run(UNPERMUTES[impl], (Y, WEIGHTS, SCRATCH), mode)
+    run(UNPERMUTES[impl], (sds((CAPACITY, 16), F32), sds((8, 2), BF16), SCRATCH), mode)
+
+
+OTHER = jax_moe.MoEConfig(num_experts=6, top_k=2, hidden_size=8, max_tokens=4, dtype=BF16, align=4)
+# Same capacity (4 * 4 + 6 * 3 = 34 -> 36) and hidden size as CONFIG, but dest_index is [4, 4].
+SAME_CAPACITY = jax_moe.MoEConfig(num_experts=6, top_k=4, hidden_size=16, max_tokens=4, dtype=BF16, align=4)
+F32_CONFIG = jax_moe.MoEConfig(num_experts=6, top_k=2, hidden_size=16, max_tokens=8, dtype=F32, align=4)
+
+
+def foreign_scratch(config):
+    """Buffers built for ``config`` wrapped with CONFIG: a scratch from another config."""
+    return jax_moe.MoEScratch(*abstract_scratch(config).buffers(), config=CONFIG)
+
+
+SCRATCH_ERRORS = {
+    "not_a_scratch_tuple": (SCRATCH.buffers(), "scratch", "a MoEScratch", "tuple"),
+    "not_a_scratch_dict": ({"permuted": SCRATCH.permuted}, "scratch", "a MoEScratch", "dict"),
+    "not_a_scratch_array": (SCRATCH.permuted, "scratch", "a MoEScratch",
+                            re.compile(r"(ArrayImpl|\w*Tracer)\b")),
+    "other_config_hidden_and_tokens": (foreign_scratch(OTHER), "scratch.permuted", "bfloat16[36, 16]",
+                                       "bfloat16[28, 8]"),
+    "other_config_dtype": (foreign_scratch(F32_CONFIG), "scratch.permuted", "bfloat16[36, 16]",
+                           "float32[36, 16]"),
+    "other_config_top_k": (foreign_scratch(SAME_CAPACITY), "scratch.dest_index", "int32[8, 2]", "int32[4, 4]"),
+    "group_sizes_wrong_length": (abstract_scratch(group_sizes=sds((5,), I32)), "scratch.group_sizes",
+                                 "int32[6]", "int32[5]"),
+    "expert_offsets_wrong_length": (abstract_scratch(expert_offsets=sds((6,), I32)), "scratch.expert_offsets",
+                                    "int32[7]", "int32[6]"),
+    "src_index_wrong_dtype": (abstract_scratch(src_index=sds((CAPACITY,), F32)), "scratch.src_index",
+                              "int32[36]", "float32[36]"),
+}
+
+
+def test_other_config_fixture_shapes():
+    assert OTHER.capacity == 28 and SAME_CAPACITY.capacity == CAPACITY == CONFIG.capacity
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("impl", PERMUTES)
+@pytest.mark.parametrize("name", SCRATCH_ERRORS)
+def test_bad_scratch(name, impl, mode):
+    scratch, arg, expected, actual = SCRATCH_ERRORS[name]
+    with pytest.raises(ValueError, match=message("permute", arg, expected, actual)):
+        run(PERMUTES[impl], (X, IDS, scratch), mode)
+    with pytest.raises(ValueError, match=message("unpermute", arg, expected, actual)):
+        run(UNPERMUTES[impl], (Y, WEIGHTS, scratch), mode)
+
+
+def test_other_config_message_names_the_config():
+    with pytest.raises(ValueError, match=r"for its config MoEConfig\(.*hidden_size=16.*\).*another config"):
+        run(jax_moe.permute, (X, IDS, foreign_scratch(OTHER)), "jit")
+
+
+PERMUTE_ERRORS = {
+    # name: (x, topk_ids, argument, expected, actual)
+    "x_rank_1": (sds((16,), BF16), IDS, "x", "rank-2 array [T, H]", "shape (16,)"),
+    "x_rank_3": (sds((1, 5, 16), BF16), IDS, "x", "rank-2 array [T, H]", "shape (1, 5, 16)"),
+    "x_hidden_size": (sds((5, 8), BF16), IDS, "x", "hidden size x.shape[1] == 16", "8"),
+    "x_dtype_float32": (sds((5, 16), F32), IDS, "x", "dtype bfloat16", "float32"),
+    "x_dtype_float16": (sds((5, 16), jnp.float16), IDS, "x", "dtype bfloat16", "float16"),
+    "x_dtype_int": (sds((5, 16), I32), IDS, "x", "dtype bfloat16", "int32"),
+    "too_many_tokens": (sds((9, 16), BF16), sds((9, 2), I32), "x", "at most 8 tokens (config.max_tokens)", "9"),
+    "zero_tokens": (sds((0, 16), BF16), sds((0, 2), I32), "x", "at least 1 token", "0"),
+    "ids_top_k": (X, sds((5, 3), I32), "topk_ids", "shape (5, 2) [T, top_k]", "(5, 3)"),
+    "ids_tokens": (X, sds((4, 2), I32), "topk_ids", "shape (5, 2) [T, top_k]", "(4, 2)"),
+    "ids_rank_1": (X, sds((10,), I32), "topk_ids", "shape (5, 2) [T, top_k]", "(10,)"),
+    "ids_float32": (X, sds((5, 2), F32), "topk_ids", "an integer dtype", "float32"),
+    "ids_bfloat16": (X, sds((5, 2), BF16), "topk_ids", "an integer dtype", "bfloat16"),
+    "ids_bool": (X, sds((5, 2), jnp.bool_), "topk_ids", "an integer dtype", "bool"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("impl", PERMUTES)
+@pytest.mark.parametrize("name", PERMUTE_ERRORS)
+def test_bad_permute_arguments(name, impl, mode):
+    x, ids, arg, expected, actual = PERMUTE_ERRORS[name]
+    with pytest.raises(ValueError, match=message("permute", arg, expected, actual)):
+        run(PERMUTES[impl], (x, ids, SCRATCH), mode)
+
+
+UNPERMUTE_ERRORS = {
+    # name: (y, topk_weights, argument, expected, actual)
+    "y_int32": (sds((CAPACITY, 16), I32), WEIGHTS, "y", "dtype float16, bfloat16 or float32", "int32"),
+    "y_int8": (sds((CAPACITY, 16), jnp.int8), WEIGHTS, "y", "dtype float16, bfloat16 or float32", "int8"),
+    "y_uint8": (sds((CAPACITY, 16), jnp.uint8), WEIGHTS, "y", "dtype float16, bfloat16 or float32", "uint8"),
+    "y_float8_e4m3fn": (sds((CAPACITY, 16), jnp.float8_e4m3fn), WEIGHTS, "y",
+                        "dtype float16, bfloat16 or float32", "float8_e4m3fn"),
+    "y_float8_e5m2": (sds((CAPACITY, 16), jnp.float8_e5m2), WEIGHTS, "y",
+                      "dtype float16, bfloat16 or float32", "float8_e5m2"),
+    "y_bool": (sds((CAPACITY, 16), jnp.bool_), WEIGHTS, "y", "dtype float16, bfloat16 or float32", "bool"),
+    "y_hidden_size": (sds((CAPACITY, 8), BF16), WEIGHTS, "y", "shape (36, 16) [config.capacity, hidden_size]",
+                      "(36, 8)"),
+    "y_rows_not_capacity": (sds((10, 16), BF16), WEIGHTS, "y", "shape (36, 16)", "(10, 16)"),
+    "y_rank_3": (sds((1, CAPACITY, 16), BF16), WEIGHTS, "y", "shape (36, 16)", "(1, 36, 16)"),
+    "weights_top_k": (Y, sds((5, 3), F32), "topk_weights", "shape (T, 2) with 1 <= T <= 8", "(5, 3)"),
+    "weights_too_many_tokens": (Y, sds((9, 2), F32), "topk_weights", "shape (T, 2) with 1 <= T <= 8", "(9, 2)"),
+    "weights_zero_tokens": (Y, sds((0, 2), F32), "topk_weights", "shape (T, 2) with 1 <= T <= 8", "(0, 2)"),
+    "weights_rank_1": (Y, sds((10,), F32), "topk_weights", "shape (T, 2)", "(10,)"),
+    "weights_float16": (Y, sds((5, 2), jnp.float16), "topk_weights", "dtype float32 or bfloat16", "float16"),
+    "weights_int32": (Y, sds((5, 2), I32), "topk_weights", "dtype float32 or bfloat16", "int32"),
+    "weights_float8": (Y, sds((5, 2), jnp.float8_e4m3fn), "topk_weights", "dtype float32 or bfloat16",
+                       "float8_e4m3fn"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("impl", UNPERMUTES)
+@pytest.mark.parametrize("name", UNPERMUTE_ERRORS)
+def test_bad_unpermute_arguments(name, impl, mode):
+    y, weights, arg, expected, actual = UNPERMUTE_ERRORS[name]
+    with pytest.raises(ValueError, match=message("unpermute", arg, expected, actual)):
+        run(UNPERMUTES[impl], (y, weights, SCRATCH), mode)
+
+
+def test_errors_surface_while_tracing_a_larger_program():
+    """Inside a jitted scan over layers the misuse still fails at trace time, as a ValueError."""
+
+    def stack(x, ids, scratch):
+        def layer(carry, layer_ids):
+            hidden, scratch = carry
+            scratch = jax_moe.permute(hidden, layer_ids, scratch)
+            return (hidden, scratch), None
+        return jax.lax.scan(layer, (x, scratch), ids)[0]
+
+    jax.jit(stack).trace(X, sds((3, 5, 2), I32), SCRATCH)  # control: valid
+    with pytest.raises(ValueError, match=message("permute", "topk_ids", "an integer dtype", "float32")):
+        jax.jit(stack).trace(X, sds((3, 5, 2), F32), SCRATCH)
+    with pytest.raises(ValueError, match=message("permute", "x", "dtype bfloat16", "float32")):
+        jax.jit(stack).trace(sds((5, 16), F32), sds((3, 5, 2), I32), SCRATCH)
+
+
+def test_init_scratch_rejects_non_config():
+    with pytest.raises(ValueError, match=message("init_scratch", "config", "a MoEConfig", "dict")):
+        jax_moe.init_scratch(dict(num_experts=4, top_k=2, hidden_size=8, max_tokens=4))
+
+
+# ---------------------------------------------------------------------------------------------
+# MoEConfig: invalid fields are rejected at construction.
+
+BASE = dict(num_experts=4, top_k=2, hidden_size=16, max_tokens=8)
+
+CONFIG_ERRORS = {
+    # name: (overrides, field, expected, actual)
+    "num_experts_zero": (dict(num_experts=0), "num_experts", "a positive integer", "0"),
+    "num_experts_negative": (dict(num_experts=-3), "num_experts", "a positive integer", "-3"),
+    "num_experts_bool": (dict(num_experts=True), "num_experts", "a positive integer", "True"),
+    "num_experts_float": (dict(num_experts=4.0), "num_experts", "a positive integer", "4.0"),
+    "num_experts_str": (dict(num_experts="4"), "num_experts", "a positive integer", "'4'"),
+    "num_experts_none": (dict(num_experts=None), "num_experts", "a positive integer", "None"),
+    "top_k_zero": (dict(top_k=0), "top_k", "a positive integer", "0"),
+    "hidden_size_zero": (dict(hidden_size=0), "hidden_size", "a positive integer", "0"),
+    "hidden_size_negative": (dict(hidden_size=-16), "hidden_size", "a positive integer", "-16"),
+    "max_tokens_zero": (dict(max_tokens=0), "max_tokens", "a positive integer", "0"),
+    "align_zero": (dict(align=0), "align", "a positive integer", "0"),
+    "align_float": (dict(align=1.5), "align", "a positive integer", "1.5"),
+    "dtype_int32": (dict(dtype=jnp.int32), "dtype", "one of float16, bfloat16, float32", "int32"),
+    "dtype_float64": (dict(dtype=np.float64), "dtype", "one of float16, bfloat16, float32", "float64"),
+    "dtype_float8": (dict(dtype=jnp.float8_e4m3fn), "dtype", "one of float16, bfloat16, float32",
+                     "float8_e4m3fn"),
+    "dtype_nonsense": (dict(dtype="nonsense"), "dtype", "one of float16, bfloat16, float32", "'nonsense'"),
+    "scoring": (dict(scoring="relu"), "scoring", "one of ('softmax', 'sigmoid')", "'relu'"),
+    "expert_map_short": (dict(expert_map=(0, 1, 2)), "expert_map", "shape (4,)", "(3,)"),
+    "expert_map_long": (dict(expert_map=(0, 1, 2, 3, -1)), "expert_map", "shape (4,)", "(5,)"),
+    "expert_map_2d": (dict(expert_map=((0, 1), (2, 3))), "expert_map", "shape (4,)", "(2, 2)"),
+    "expert_map_below_minus_one": (dict(expert_map=(0, -2, 1, 2)), "expert_map", "entries >= -1", "[-2]"),
+    "expert_map_duplicate": (dict(expert_map=(0, 1, 1, -1)), "expert_map",
+                             "non-negative entries to be exactly 0..2 each once", "[0, 1, 1] (duplicates [1])"),
+    "expert_map_gap": (dict(expert_map=(0, -1, 2, -1)), "expert_map",
+                       "non-negative entries to be exactly 0..1 each once", "[0, 2]"),
+    "expert_map_out_of_range": (dict(expert_map=(0, 1, 7, -1)), "expert_map",
+                                "non-negative entries to be exactly 0..2 each once", "[0, 1, 7]"),
+    "expert_map_no_local": (dict(expert_map=(-1, -1, -1, -1)), "expert_map", "at least one local expert",
+                            "none"),
+    "expert_map_float": (dict(expert_map=(0.0, 1.0, 2.0, 3.0)), "expert_map", "integers", "dtype float64"),
+}
+
+
+@pytest.mark.parametrize("name", CONFIG_ERRORS)
+def test_invalid_config(name):
+    overrides, field, expected, actual = CONFIG_ERRORS[name]
+    pattern = rf"^MoEConfig\.{field}: expected .*{re.escape(expected)}.*got {re.escape(actual)}"
+    with pytest.raises(ValueError, match=pattern):
+        jax_moe.MoEConfig(**{**BASE, **overrides})
+
+
+def test_valid_configs_normalise_and_hash():
+    """Control for the table above: accepted spellings give equal, hashable configs."""
+    as_tuple = jax_moe.MoEConfig(**BASE, dtype="bfloat16", expert_map=(1, -1, 0, 2))
+    as_array = jax_moe.MoEConfig(**BASE, dtype=jnp.bfloat16, expert_map=np.array([1, -1, 0, 2]))
+    assert as_tuple == as_array and hash(as_tuple) == hash(as_array)
+    assert as_tuple.num_local_experts == 3
+    assert jax_moe.MoEConfig(**{**BASE, "num_experts": np.int64(4)}).num_experts == 4
