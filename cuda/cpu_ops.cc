@@ -224,30 +224,10 @@ ffi::Error CopyImpl(ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> dst) {
 }  // namespace jax_moe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteCpu, jax_moe::PermuteImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()            // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // topk_ids [T, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // expert_map [E], or [0] for identity
-                                  .Arg<ffi::AnyBuffer>()            // permuted (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // src_index (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // dest_index (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // group_sizes (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // expert_offsets (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // workspace (aliased)
-                                  .Ret<ffi::AnyBuffer>()            // permuted [R_cap, H]
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // src_index [R_cap]
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // dest_index [T_max, k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // group_sizes [El]
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // expert_offsets [El + 1]
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // workspace
-                                  .Attr<int64_t>("align"));
+                              jax_moe::BindPermute(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteCpu, jax_moe::UnpermuteImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()         // y [R_cap, H]
-                                  .Arg<ffi::AnyBuffer>()         // topk_weights [T, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // dest_index [T_max, k]
-                                  .Ret<ffi::AnyBuffer>());       // out [T, H]
+                              jax_moe::BindUnpermute(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeNoopCpu, jax_moe::NoopImpl,
                               ffi::Ffi::Bind()

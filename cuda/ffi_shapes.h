@@ -1,9 +1,11 @@
-// Shape checks shared by the CPU and CUDA handlers. Python validates every argument at trace
-// time; these only keep a hand-written ffi_call from reading or writing out of bounds.
+// What the CPU and CUDA handlers share: the operand/result lists of the permute and unpermute
+// calls (one definition for both platforms) and shape checks. Python validates every argument at
+// trace time; the checks only keep a hand-written ffi_call from reading or writing out of bounds.
 #ifndef JAX_MOE_FFI_SHAPES_H_
 #define JAX_MOE_FFI_SHAPES_H_
 
 #include <cstdint>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -50,6 +52,38 @@ inline xla::ffi::Error CheckPermuteShapes(const xla::ffi::AnyBuffer& x, const xl
       routes + shapes->num_local * (align - 1) > shapes->capacity)
     return InvalidArgument("permute: scratch buffers do not fit the inputs");
   return xla::ffi::Error::Success();
+}
+
+// Permute's operands, results and attribute, bound after whatever context the platform needs.
+template <typename Binding>
+auto BindPermute(Binding binding) {
+  using xla::ffi::AnyBuffer;
+  using Indices = xla::ffi::Buffer<xla::ffi::S32>;
+  return std::move(binding).template Arg<AnyBuffer>()  // x [T, H]
+      .template Arg<Indices>()              // topk_ids [T, k]
+      .template Arg<Indices>()              // expert_map [E], or [0] for identity
+      .template Arg<AnyBuffer>()            // permuted (aliased)
+      .template Arg<Indices>()              // src_index (aliased)
+      .template Arg<Indices>()              // dest_index (aliased)
+      .template Arg<Indices>()              // group_sizes (aliased)
+      .template Arg<Indices>()              // expert_offsets (aliased)
+      .template Arg<Indices>()              // workspace (aliased)
+      .template Ret<AnyBuffer>()            // permuted [R_cap, H]
+      .template Ret<Indices>()              // src_index [R_cap]
+      .template Ret<Indices>()              // dest_index [T_max, k]
+      .template Ret<Indices>()              // group_sizes [El]
+      .template Ret<Indices>()              // expert_offsets [El + 1]
+      .template Ret<Indices>()              // workspace
+      .template Attr<int64_t>("align");
+}
+
+// Unpermute's operands and result, bound after whatever context the platform needs.
+template <typename Binding>
+auto BindUnpermute(Binding binding) {
+  return std::move(binding).template Arg<xla::ffi::AnyBuffer>()  // y [R_cap, H]
+      .template Arg<xla::ffi::AnyBuffer>()                   // topk_weights [T, k]
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()       // dest_index [T_max, k]
+      .template Ret<xla::ffi::AnyBuffer>();                  // out [T, H]
 }
 
 }  // namespace jax_moe

@@ -106,33 +106,11 @@ ffi::Error CopyImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::Result<ffi::An
 }  // namespace jax_moe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteCuda, jax_moe::PermuteImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()            // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // topk_ids [T, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // expert_map [E], or [0] for identity
-                                  .Arg<ffi::AnyBuffer>()            // permuted (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // src_index (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // dest_index (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // group_sizes (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // expert_offsets (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // workspace (aliased)
-                                  .Ret<ffi::AnyBuffer>()            // permuted [R_cap, H]
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // src_index [R_cap]
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // dest_index [T_max, k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // group_sizes [El]
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // expert_offsets [El + 1]
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // workspace
-                                  .Attr<int64_t>("align"),
+                              jax_moe::BindPermute(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteCuda, jax_moe::UnpermuteImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // y [R_cap, H]
-                                  .Arg<ffi::AnyBuffer>()         // topk_weights [T, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // dest_index [T_max, k]
-                                  .Ret<ffi::AnyBuffer>(),        // out [T, H]
+                              jax_moe::BindUnpermute(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeNoopCuda, jax_moe::NoopImpl,

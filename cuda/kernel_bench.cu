@@ -1,8 +1,8 @@
 // Kernel-only benchmark of the CUDA launchers, without XLA: each op captured 20 times in a CUDA
 // graph and replayed (device time per launch, no host launch overhead), against cudaMemcpyAsync
 // of the same bytes. bf16 rows, identity expert map, T_max = T. On the GPU machine, from the
-// repository root:
-//   nvcc -O3 --fmad=false -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda //        cuda/kernel_bench.cu cuda/gpu_kernels.cu -o /tmp/kernel_bench && /tmp/kernel_bench
+// repository root (one command):
+//   nvcc -O3 --fmad=false -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda cuda/kernel_bench.cu cuda/gpu_kernels.cu -o /tmp/kernel_bench && /tmp/kernel_bench
 // Results of the tuning runs: notebooks/results/kernel_bench_h200.txt.
 #include <cstdio>
 #include <cstdlib>
