@@ -1,0 +1,137 @@
+"""Executes every notebook in notebooks/ end to end on CPU, as CI does (nbclient, a fresh kernel each).
+
+The kernel is the interpreter running the tests (a kernelspec written to a temporary JUPYTER_PATH
+whose argv starts with ``sys.executable``), so the notebooks see this environment's jax and jax_moe
+whatever kernels the machine has installed. Notebooks are committed with their outputs stripped.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+EXPECTED = {"quickstart.ipynb", "scratch_sharing.ipynb", "performance.ipynb"}
+KERNEL_NAME = "jax_moe_tests"
+CELL_TIMEOUT_S = 300
+MAX_COMMITTED_BYTES = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def kernel_env(tmp_path_factory):
+    """A kernelspec for this interpreter, and the environment the notebook kernels inherit."""
+    jupyter_dir = tmp_path_factory.mktemp("jupyter")
+    spec_dir = jupyter_dir / "kernels" / KERNEL_NAME
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": f"jax_moe tests ({sys.executable})",
+        "language": "python",
+    }))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_PATH", str(jupyter_dir))
+        # Connection files and the IPython profile go to a temporary directory, not $HOME.
+        mp.setenv("JUPYTER_RUNTIME_DIR", str(jupyter_dir / "runtime"))
+        mp.setenv("IPYTHONDIR", str(jupyter_dir / "ipython"))
+        mp.setenv("JAX_PLATFORMS", "cpu")  # the notebooks are documented to run on CPU
+        mp.delenv("MPLBACKEND", raising=False)  # ipykernel's inline backend renders the figures
+        mp.delenv("JAX_MOE_RESULTS_DIR", raising=False)
+        yield mp
+
+
+def execute(path: pathlib.Path) -> tuple[nbformat.NotebookNode, float]:
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, kernel_name=KERNEL_NAME, timeout=CELL_TIMEOUT_S,
+                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    start = time.perf_counter()
+    client.execute()  # raises CellExecutionError on the first failing cell
+    return notebook, time.perf_counter() - start
+
+
+def outputs(notebook, output_type=None, name=None):
+    for cell in notebook.cells:
+        for out in cell.get("outputs", []):
+            if (output_type is None or out["output_type"] == output_type) and (name is None or out.get("name") == name):
+                yield out
+
+
+def images(notebook) -> int:
+    return sum("image/png" in out.get("data", {}) for out in outputs(notebook))
+
+
+def stdout(notebook) -> str:
+    return "".join(out["text"] for out in outputs(notebook, "stream", "stdout"))
+
+
+def test_expected_notebooks_exist():
+    assert EXPECTED <= {p.name for p in NOTEBOOKS}, sorted(p.name for p in NOTEBOOKS)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_committed_stripped(path):
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    code = [c for c in notebook.cells if c.cell_type == "code"]
+    assert code, "no code cells"
+    dirty = [i for i, c in enumerate(notebook.cells)
+             if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
+    assert not dirty, f"cells {dirty} have outputs or execution counts: commit the notebook stripped"
+    assert path.stat().st_size < MAX_COMMITTED_BYTES, path.stat().st_size
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, kernel_env):
+    notebook, seconds = execute(path)
+    print(f"{path.name}: {seconds:.1f} s")
+    assert not list(outputs(notebook, "error"))
+    text = stdout(notebook)
+    stderr = "".join(out["text"] for out in outputs(notebook, "stream", "stderr"))
+    assert "donated buffers were not usable" not in stderr + text
+    if path.name in EXPECTED:
+        assert images(notebook) >= 1, "expected the notebook to draw its figures"
+    if path.name == "quickstart.ipynb":
+        assert "every buffer reused in place" in text
+    if path.name == "scratch_sharing.ipynb":
+        assert "flat in depth" in text and "per-layer scratches at L=32" in text
+    if path.name == "performance.ipynb" and (NOTEBOOK_DIR / "results" / "bench_permute.json").exists():
+        assert images(notebook) >= 3
+
+
+def _synthetic_stack_record() -> dict:
+    """A small bench_stack.json in the schema of jax_moe/bench/stack_suite.py (values made up)."""
+    rows = []
+    for model, label, experts, top_k, hidden in (("mixtral", "Mixtral-8x7B", 8, 2, 4096),
+                                                 ("qwen3_30b", "Qwen3-30B-A3B", 128, 8, 2048)):
+        for tokens in (1, 16, 256):
+            for scan in ("rolled", "unrolled"):
+                for i, variant in enumerate(("jax_moe", "jax_moe/not-donated", "baseline")):
+                    step = 100.0 * (1 + i) * (1 + tokens / 64)
+                    rows.append({"model": model, "label": label, "E": experts, "k": top_k, "H": hidden, "F": 1024,
+                                 "layers": 4, "T": tokens, "variant": variant, "donated": i == 0, "scan": scan,
+                                 "step_us_latency": step * 1.2, "step_us_back_to_back": step,
+                                 "us_per_layer": step / 4, "ratio_to_baseline": (1 + i) / 3})
+    rows.append({"model": "mixtral", "label": "Mixtral-8x7B", "E": 8, "k": 2, "H": 4096, "F": 1024, "layers": 4,
+                 "T": 4096, "variant": "jax_moe", "donated": True, "scan": "rolled", "error": "OOM"})
+    return {"suite": "stack", "meta": {"device_kind": "synthetic"}, "notes": ["synthetic test data"], "rows": rows}
+
+
+def test_performance_notebook_with_only_stack_results(kernel_env, tmp_path):
+    """The other branch of performance.ipynb: no bench_permute.json (skipped with a note), a stack file."""
+    (tmp_path / "bench_stack.json").write_text(json.dumps(_synthetic_stack_record()))
+    kernel_env.setenv("JAX_MOE_RESULTS_DIR", str(tmp_path))
+    try:
+        notebook, _ = execute(NOTEBOOK_DIR / "performance.ipynb")
+    finally:
+        kernel_env.delenv("JAX_MOE_RESULTS_DIR", raising=False)
+    text = stdout(notebook)
+    assert "bench_permute.json is missing" in text
+    assert "36 measured rows of 37" in text
+    assert images(notebook) == 1
