@@ -17,7 +17,17 @@ from jax_moe.scratch import MoEScratch
 
 
 def permute(x: jax.Array, topk_ids: jax.Array, scratch: MoEScratch) -> MoEScratch:
-    """Groups routes by local expert with a stable argsort; see ``jax_moe.permute``."""
+    """Groups routes by local expert with a stable argsort (``jax_moe.permute``'s contract).
+
+    Args:
+      x: [T, H] rows of ``scratch.config.dtype``; topk_ids: [T, k] any integer dtype;
+      scratch: the ``MoEScratch`` whose buffers are replaced (functionally, not in place).
+
+    Returns:
+      The new ``MoEScratch``: ``permuted`` [R_cap, H] (rows past the live count zero),
+      ``src_index`` [R_cap], ``dest_index`` [T_max, k] (rows >= T kept), ``group_sizes`` [El],
+      ``expert_offsets`` [El + 1], all int32 but ``permuted``.
+    """
     ids = _validate.check_permute_args(x, topk_ids, scratch)
     return permute_unchecked(x, ids, scratch)
 
@@ -31,6 +41,7 @@ def local_expert_ids(ids: jax.Array, config) -> jax.Array:
 
 
 def permute_unchecked(x: jax.Array, ids: jax.Array, scratch: MoEScratch) -> MoEScratch:
+    """``permute`` without validation; ``ids`` [T, k] is already int32 (the ops' fallback path)."""
     config = scratch.config
     num_tokens, top_k = ids.shape
     num_local, align, capacity = config.num_local_experts, config.align, config.capacity
@@ -58,12 +69,21 @@ def permute_unchecked(x: jax.Array, ids: jax.Array, scratch: MoEScratch) -> MoES
 
 
 def unpermute(y: jax.Array, topk_weights: jax.Array, scratch: MoEScratch) -> jax.Array:
-    """Weighted sum of each token's expert rows in ascending j; see ``jax_moe.unpermute``."""
+    """Weighted sum of each token's expert rows in ascending j (``jax_moe.unpermute``'s contract).
+
+    Args:
+      y: [R_cap, H] f16/bf16/f32 rows in permuted order; topk_weights: [T, k] f32/bf16;
+      scratch: the scratch of the matching ``permute`` (``dest_index`` is read).
+
+    Returns:
+      [T, H] of y's dtype, accumulated in float32 (may differ from the native op by an ulp).
+    """
     _validate.check_unpermute_args(y, topk_weights, scratch)
     return unpermute_unchecked(y, topk_weights, scratch.dest_index)
 
 
 def unpermute_unchecked(y: jax.Array, topk_weights: jax.Array, dest_index: jax.Array) -> jax.Array:
+    """``unpermute`` without validation, from ``dest_index`` [>= T, k] int32 directly."""
     num_tokens, top_k = topk_weights.shape
     dest = dest_index[:num_tokens]
     acc = jnp.zeros((num_tokens, y.shape[1]), jnp.float32)

@@ -65,9 +65,11 @@ class MoEScratch:
     config: MoEConfig
 
     def buffers(self) -> tuple[jax.Array, ...]:
+        """The buffers in ``BUFFER_NAMES`` order (the order of the permute call's aliased operands)."""
         return tuple(getattr(self, name) for name in BUFFER_NAMES)
 
     def replace(self, **buffers) -> "MoEScratch":
+        """A scratch with the named buffers replaced (same config), e.g. by an op's outputs."""
         return dataclasses.replace(self, **buffers)
 
     @property
@@ -87,8 +89,10 @@ def init_scratch(config: MoEConfig, device=None) -> MoEScratch:
       device: a ``jax.Device``, a ``jax.sharding.Sharding``, or None for the default device.
 
     Returns:
-      A ``MoEScratch`` with zero rows, -1 indices and empty groups. Thread it through every layer
-      (``lax.scan`` carry) and step (``jax.jit(..., donate_argnums=...)``).
+      A ``MoEScratch``: ``permuted`` [R_cap, H] ``config.dtype`` zeros, ``src_index`` [R_cap] and
+      ``dest_index`` [T_max, k] int32 -1, ``group_sizes`` [El] and ``expert_offsets`` [El + 1]
+      int32 zeros, ``workspace`` int32 zeros. Thread it through every layer (``lax.scan`` carry)
+      and step (``jax.jit(..., donate_argnums=...)``).
     """
     if not isinstance(config, MoEConfig):
         raise ValueError(f"init_scratch: config: expected a MoEConfig, got {type(config).__name__}")
