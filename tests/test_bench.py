@@ -64,7 +64,11 @@ def test_permute_numbers_come_from_measured_times(permute_rows):
             assert _close(row["ceiling_gb_per_s"], copy["gb_per_s"])
             assert _close(row["pct_of_copy_ceiling"], 100 * row["gb_per_s"] / copy["gb_per_s"])
             checked_ceiling += 1
-    assert checked_ratio and checked_ceiling  # CPU noise may leave a few out, never all
+    assert checked_ratio  # CPU noise may leave a few out, never all
+    # A copy of the tiny model's rows takes nanoseconds on CPU, so its per-layer difference can
+    # come out <= 0 in every row; then no percentage may be reported at all.
+    copies = [r for r in permute_rows if r["case"] == "copy/copy"]
+    assert checked_ceiling or all(r["us_per_layer"] <= 0 for r in copies), copies
 
 
 def test_traffic_formula():
