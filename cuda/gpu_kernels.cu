@@ -186,7 +186,7 @@ __device__ __forceinline__ void WarpCountsToRows(int32_t* warp_rows, int num_loc
   }
 }
 
-// Ranking warps of a block and the slice each owns, given the shared-memory budget per expert.
+// Routes of a tile that each of rank_warps ranking warps owns (a contiguous slice).
 __host__ __device__ __forceinline__ int64_t RankSliceLength(int rank_warps) { return kTileRoutes / rank_warps; }
 
 // ---- Fused path: every block routes all R <= kFusedMaxRoutes routes in shared memory, block 0
