@@ -151,7 +151,7 @@ def _experts_on_scratch(expert_fn: ExpertFn, layer_params, scratch: MoEScratch, 
 
 
 def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
-              expert_fn: ExpertFn | None = None) -> tuple[jax.Array, MoEScratch]:
+              expert_fn: ExpertFn | None = None, *, mesh=None, axis_name: str | None = None):
     """One MoE layer: route, ``permute`` into the scratch, grouped experts, ``unpermute``.
 
     Args:
@@ -167,7 +167,15 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
       ``(y, scratch)``: y [T, H] of x's dtype, the router-weighted sum of each token's k expert
       outputs (dropped routes of ``config.expert_map`` contribute 0), and the scratch to pass on.
       The returned scratch is state, not a differentiable output (its gradient is stopped).
+
+    Expert parallel: with ``mesh`` and ``axis_name`` this is ``jax_moe.parallel.moe_layer_ep``
+    (scratch from ``init_scratch_ep``, params from ``shard_params``) and returns ``(y, scratch,
+    dropped)``, dropped being the routes the per-peer capacity dropped.
     """
+    if mesh is not None or axis_name is not None:
+        from jax_moe import parallel  # imported here: parallel builds on this module
+        return parallel.moe_layer_ep(layer_params, x, scratch, mesh=mesh, axis_name=axis_name,
+                                     expert_fn=expert_fn)
     if not isinstance(scratch, MoEScratch):
         raise ValueError(f"moe_layer: scratch: expected a MoEScratch (from jax_moe.init_scratch), "
                          f"got {type(scratch).__name__}")
@@ -186,7 +194,7 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
 
 
 def moe_stack(params: dict, x: jax.Array, scratch: MoEScratch, *, unroll: int | bool = 1,
-              expert_fn: ExpertFn | None = None) -> tuple[jax.Array, MoEScratch]:
+              expert_fn: ExpertFn | None = None, mesh=None, axis_name: str | None = None):
     """L pre-norm residual MoE layers as one ``lax.scan`` with the scratch in the carry.
 
     Each layer computes ``x = x + moe_layer(params[l], rms_norm(x), scratch)``.
@@ -201,7 +209,14 @@ def moe_stack(params: dict, x: jax.Array, scratch: MoEScratch, *, unroll: int | 
 
     Returns:
       ``(x_out, scratch)``: x_out [T, H] of x's dtype, and the scratch to pass to the next step.
+
+    Expert parallel: with ``mesh`` and ``axis_name`` this is ``jax_moe.parallel.moe_stack_ep`` and
+    returns ``(x_out, scratch, dropped [L])``.
     """
+    if mesh is not None or axis_name is not None:
+        from jax_moe import parallel  # imported here: parallel builds on this module
+        return parallel.moe_stack_ep(params, x, scratch, mesh=mesh, axis_name=axis_name, unroll=unroll,
+                                     expert_fn=expert_fn)
     if not isinstance(scratch, MoEScratch):
         raise ValueError(f"moe_stack: scratch: expected a MoEScratch (from jax_moe.init_scratch), "
                          f"got {type(scratch).__name__}")

@@ -1,0 +1,162 @@
+"""Expert parallelism (issue 6): jax_moe.parallel on 8 CPU devices, and on this process's one.
+
+The 8-device checks live in tests/parallel_checks.py and run in ONE subprocess (started once per
+session by the ``eight_devices`` fixture): ``--xla_force_host_platform_device_count`` only takes
+effect before JAX starts, which this pytest process has long done. Each check is reported here as
+its own test. The rest runs in-process on a one-device mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_moe import MoEConfig, init_scratch
+from jax_moe import parallel as ep
+from jax_moe.bench import parallel_suite, timing
+from jax_moe.bench.models import MODELS
+from jax_moe.layers import init_moe_params, moe_stack
+
+CHECKS_SCRIPT = pathlib.Path(__file__).with_name("parallel_checks.py")
+EIGHT_DEVICE_CHECKS = (
+    "equal_2way",
+    "equal_4way_noncontiguous",
+    "equal_8way_noncontiguous_explicit_mesh",
+    "equal_8way_fewer_tokens_unrolled",
+    "equal_8way_bf16_align8",
+    "layer_equal_4way",
+    "placement_is_an_expert_map",
+    "overflow_4way",
+    "overflow_8way_capacity_1",
+    "grad_4way_noncontiguous",
+    "grad_8way_overflow",
+    "no_scratch_copies_8way",
+    "errors",
+    "bench_suite_8way",
+)
+SUBPROCESS_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="session")
+def eight_devices() -> dict[str, dict]:
+    """Runs every check of tests/parallel_checks.py on 8 host CPU devices; name -> its JSON result."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(CHECKS_SCRIPT)], env=env, capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S, cwd=CHECKS_SCRIPT.parent.parent)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            result = json.loads(line)
+            results[result["name"]] = result
+    return results
+
+
+def test_every_eight_device_check_ran(eight_devices):
+    assert set(eight_devices) == set(EIGHT_DEVICE_CHECKS)
+
+
+@pytest.mark.parametrize("name", EIGHT_DEVICE_CHECKS)
+def test_eight_devices(eight_devices, name):
+    result = eight_devices.get(name)
+    assert result is not None, f"check {name} did not report"
+    assert result["ok"], result["detail"]
+
+
+# --- in-process, one device ----------------------------------------------------------------------
+
+E, K, H, F, L, T = 8, 2, 32, 16, 2, 8
+
+
+def _one_device_mesh(explicit=False):
+    if explicit:
+        return jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+    return Mesh(np.array(jax.devices()[:1]), ("ep",))
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_mesh", "explicit_mesh"])
+def test_one_device_mesh_equals_moe_stack(explicit):
+    config = MoEConfig(num_experts=E, top_k=K, hidden_size=H, max_tokens=T, dtype=jnp.float32)
+    params = init_moe_params(jax.random.key(0), config, L, F)
+    x = jax.random.normal(jax.random.key(1), (T, H), jnp.float32)
+    expected, _ = jax.jit(moe_stack)(params, x, init_scratch(config))
+    mesh = _one_device_mesh(explicit)
+    placement = (3, 1, 0, 2, 7, 6, 5, 4)
+    scratch = ep.init_scratch_ep(config, mesh, "ep", placement=placement)
+    assert jax.tree.structure(scratch).num_leaves == 6
+    step = jax.jit(lambda p, h, s: ep.moe_stack_ep(p, h, s, mesh=mesh, axis_name="ep"), donate_argnums=2)
+    y, scratch, dropped = step(ep.shard_params(params, mesh, "ep", placement=placement), x, scratch)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    assert dropped.shape == (L,) and not np.asarray(dropped).any()
+    assert isinstance(scratch, ep.ExpertParallelScratch) and scratch.local.permuted.shape[0] == 1
+
+
+def test_one_device_overflow_is_counted():
+    # One device: each token's k routes all go to device 0, so C = ceil(0.5 * T * k) keeps the first
+    # half of the routes in flat order and drops the rest, in every layer.
+    config = MoEConfig(num_experts=E, top_k=K, hidden_size=H, max_tokens=T, dtype=jnp.float32)
+    params = init_moe_params(jax.random.key(0), config, L, F)
+    mesh = _one_device_mesh()
+    scratch = ep.init_scratch_ep(config, mesh, "ep", capacity_factor=0.5)
+    assert scratch.capacity == T * K // 2
+    x = jax.random.normal(jax.random.key(1), (T, H), jnp.float32)
+    _, _, dropped = ep.moe_stack_ep(ep.shard_params(params, mesh, "ep"), x, scratch, mesh=mesh, axis_name="ep")
+    assert np.asarray(dropped).tolist() == [T * K // 2] * L
+
+
+def test_peer_capacity_and_expert_maps():
+    config = MoEConfig(num_experts=16, top_k=4, hidden_size=8, max_tokens=64)
+    assert ep.peer_capacity(config, 4, 16, None) == 16 * 4  # min(k, El) = 4
+    assert ep.peer_capacity(MoEConfig(num_experts=16, top_k=4, hidden_size=8, max_tokens=64), 8, 16, None) == 32
+    assert ep.peer_capacity(config, 4, 16, 1.0) == 16  # the mean load of a peer
+    assert ep.peer_capacity(config, 4, 16, 1.3) == 21  # ceil(1.3 * 16)
+    assert ep.peer_capacity(config, 4, 16, 100.0) == 64  # never above the no-overflow bound
+    assert ep.peer_capacity(config, 4, 1, 0.01) == 1  # at least one row
+    placement = (5, 0, 3, 1, 2, 4)  # 6 experts on 3 devices, 2 each
+    maps = [ep.device_expert_map(placement, 3, d) for d in range(3)]
+    assert maps == [(-1, 0, -1, 1, -1, -1), (-1, -1, 1, -1, 0, -1), (1, -1, -1, -1, -1, 0)]
+    for m in maps:  # each a valid MoEConfig.expert_map with E / n local experts
+        assert MoEConfig(num_experts=6, top_k=1, hidden_size=8, max_tokens=1, expert_map=m).num_local_experts == 2
+
+
+def test_bad_arguments_raise_value_errors_at_trace_time():
+    config = MoEConfig(num_experts=E, top_k=K, hidden_size=H, max_tokens=T, dtype=jnp.float32)
+    mesh = _one_device_mesh()
+    with pytest.raises(ValueError, match="placement.*permutation"):
+        ep.init_scratch_ep(config, mesh, "ep", placement=(0, 0, 1, 2, 3, 4, 5, 6))
+    with pytest.raises(ValueError, match="placement.*8 integers"):
+        ep.shard_params(init_moe_params(jax.random.key(0), config, L, F), mesh, "ep", placement=(0, 1))
+    with pytest.raises(ValueError, match="axis_name"):
+        ep.init_scratch_ep(config, mesh, "experts")
+    scratch = ep.init_scratch_ep(config, mesh, "ep")
+    params = ep.shard_params(init_moe_params(jax.random.key(0), config, L, F), mesh, "ep")
+    with pytest.raises(ValueError, match="x: expected at most 8 tokens"):
+        ep.moe_stack_ep(params, jnp.zeros((16, H), jnp.float32), scratch, mesh=mesh, axis_name="ep")
+    with pytest.raises(ValueError, match="scratch: expected an ExpertParallelScratch"):
+        ep.moe_stack_ep(params, jnp.zeros((T, H), jnp.float32), init_scratch(config), mesh=mesh, axis_name="ep")
+
+
+def test_parallel_bench_suite_on_one_device(tmp_path):
+    rows, notes = parallel_suite.run([MODELS["tiny"]], (2,), timing.Clock(), compile_threads=2, layer_counts=(1, 2))
+    assert not [r for r in rows if "error" in r], [r["error"] for r in rows if "error" in r]
+    assert {(r["case"], r["capacity"]) for r in rows} == {(c.name, c.capacity or "-") for c in parallel_suite.cases()}
+    assert any("ragged_all_to_all" in n for n in notes)
+    for row in rows:
+        if row["case"] == "ep":
+            local = next(r for r in rows if (r["case"], r["capacity"]) == ("ep/no-collective", row["capacity"]))
+            assert row["collectives_us"] == pytest.approx(row["us_per_layer"] - local["us_per_layer"])
+            if row["us_per_layer"] > 0:  # CPU noise can make a tiny per-layer difference negative
+                assert row["collective_share_pct"] == pytest.approx(100 * row["collectives_us"] / row["us_per_layer"])
+    record = {"rows": rows, "notes": notes, "meta": parallel_suite.report.environment(), "elapsed_s": 1.0,
+              "method": timing.PER_LAYER_METHOD, "facts": parallel_suite.facts()}
+    markdown = parallel_suite.markdown(record)
+    assert "collectives µs" in markdown and "ragged_all_to_all" in markdown
