@@ -131,7 +131,7 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
                 f"El={local}, gate_up last axis 2F even), got {have}")
 
 
-def _experts_on_scratch(expert_fn: ExpertFn, layer_params, scratch: MoEScratch, num_tokens: int) -> jax.Array:
+def experts_on_scratch(expert_fn: ExpertFn, layer_params, scratch: MoEScratch, num_tokens: int) -> jax.Array:
     """Runs the experts on the rows that can be live, returns [R_cap, H] for ``unpermute``.
 
     At most ``T*k + El*(align-1)`` rows are live for T tokens (static), so when the scratch was
@@ -188,7 +188,7 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
     # tangent for it and a scanned stack carries that tangent through every layer). It lowers to
     # nothing, so the buffers still flow straight from one aliased call to the next.
     scratch = permute(x, ids, lax.stop_gradient(scratch))
-    rows_out = _experts_on_scratch(expert_fn, layer_params, scratch, x.shape[0])
+    rows_out = experts_on_scratch(expert_fn, layer_params, scratch, x.shape[0])
     y = unpermute(rows_out, weights, scratch)
     return y, lax.stop_gradient(scratch)
 

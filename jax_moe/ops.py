@@ -78,7 +78,12 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 @jax.custom_vjp
-def _unpermute(y, topk_weights, dest_index):
+def unpermute_by_dest(y, topk_weights, dest_index):
+    """``unpermute`` from a ``dest_index`` [>= T, k] int32 array instead of a scratch (no checks).
+
+    The differentiable core of ``unpermute``, also used by the expert-parallel combine, whose
+    destination rows are not a scratch's.
+    """
     return _unpermute_any(y, topk_weights, dest_index)
 
 
@@ -105,7 +110,7 @@ def _unpermute_bwd(residuals, d_out):
     return dy.astype(y_like.dtype), dw.astype(topk_weights.dtype), None
 
 
-_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+unpermute_by_dest.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 
 def permute(x: jax.Array, topk_ids: jax.Array, scratch: MoEScratch) -> MoEScratch:
@@ -141,4 +146,4 @@ def unpermute(y: jax.Array, topk_weights: jax.Array, scratch: MoEScratch) -> jax
       float32 in ascending j without FMA, rounded once. Bitwise deterministic.
     """
     _validate.check_unpermute_args(y, topk_weights, scratch)
-    return _unpermute(y, topk_weights, scratch.dest_index)
+    return unpermute_by_dest(y, topk_weights, scratch.dest_index)

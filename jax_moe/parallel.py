@@ -57,8 +57,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_moe._validate import _fail
 from jax_moe.config import MoEConfig
-from jax_moe.layers import ExpertFn, _experts_on_scratch, check_layer_params, rms_norm, route, swiglu_experts
-from jax_moe.ops import _unpermute, permute, unpermute
+from jax_moe.layers import ExpertFn, experts_on_scratch, check_layer_params, rms_norm, route, swiglu_experts
+from jax_moe.ops import permute, unpermute, unpermute_by_dest
 from jax_moe.scratch import BUFFER_NAMES, MoEScratch, buffer_shapes, init_scratch
 
 # exchange(rows [n, C, ...], axis_name) -> rows [n, C, ...]: block p goes to device p, block q of
@@ -322,12 +322,12 @@ def _local_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch, *, confi
 
     # The single-device layer on the received rows: one route per row, weights 1 (exact).
     scratch = permute(recv_rows, recv_ids, lax.stop_gradient(scratch))
-    rows_out = _experts_on_scratch(expert_fn, layer_params, scratch, recv_rows.shape[0])
+    rows_out = experts_on_scratch(expert_fn, layer_params, scratch, recv_rows.shape[0])
     recv_out = unpermute(rows_out, jnp.ones((recv_rows.shape[0], 1), jnp.float32), scratch)
 
     back = exchange(recv_out.reshape(num_devices, capacity, hidden), axis_name).reshape(-1, hidden)
     # The same native weighted sum as the single-device unpermute; overflowed routes (slot -1) give 0.
-    y = _unpermute(back, weights, route_slot)
+    y = unpermute_by_dest(back, weights, route_slot)
     return y, lax.stop_gradient(scratch), dropped
 
 
