@@ -1,5 +1,6 @@
 #!/bin/bash
-# One device session on the GPU machine: build with CUDA, GPU tests, compute-sanitizer, benchmark.
+# One device session on the GPU machine: build with CUDA, GPU tests, the stack tests on the GPU,
+# compute-sanitizer, benchmark (set BENCH_ARGS; SKIP_TESTS / SKIP_STACK_TESTS / SKIP_SANITIZER skip).
 # Usage (repo root): bash tests/gpu_session.sh [bench args...]; logs go to $OUT (default /tmp/jax_moe_gpu).
 set -uo pipefail
 OUT=${OUT:-/tmp/jax_moe_gpu}
@@ -15,6 +16,12 @@ python3 -c "import jax, jax_moe._native as n; print(jax.devices(), 'cpu', n.HAS_
 if [ -z "${SKIP_TESTS:-}" ]; then
   stage "gpu tests"
   python3 -m pytest -q -x -m gpu tests/test_gpu.py ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+fi
+
+if [ -z "${SKIP_STACK_TESTS:-}" ]; then
+  stage "stack tests on the GPU"  # the CPU suite's stack files, run with the GPU as default device
+  python3 -m pytest -q tests/test_layers.py tests/test_stack_memory.py tests/test_autodiff.py 2>&1 \
+    | tee "$OUT/stack_tests.log" | tail -8
 fi
 
 if [ -z "${SKIP_SANITIZER:-}" ]; then
