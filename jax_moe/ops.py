@@ -20,8 +20,16 @@ _VMAP_METHOD = "sequential"
 
 
 def _on_platform(native, fallback, *args):
-    """Native handler where its module is built, the reference elsewhere; chosen at lowering."""
+    """The native handler where its module is built, else the reference.
+
+    With both modules built (the usual case, also on machines without a GPU) this is the plain
+    custom call. Otherwise ``lax.platform_dependent`` picks at lowering time; it is avoided when
+    not needed because autodiff keeps residuals of every branch, and a scanned training step then
+    carries reference-branch arrays of scratch shapes through its loop.
+    """
     _native.warn_if_gpu_uses_reference()
+    if _native.HAS_CPU and _native.HAS_CUDA and jax.default_backend() in ("cpu", "gpu"):
+        return native(*args)
     return lax.platform_dependent(
         *args,
         cpu=native if _native.HAS_CPU else fallback,
