@@ -182,9 +182,7 @@ def measure_model(model: ModelShape, token_counts, layer_counts, mesh: Mesh, clo
     clock.log(f"parallel {model.name}: {n} device(s), L={layer_counts}, F={model.ffn_size}")
     rows = []
     for tokens in token_counts:
-        if time_limit_s is not None and clock.elapsed() > time_limit_s:
-            if notes is not None:
-                notes.append(f"{model.name} T={tokens}: not run, the time limit ({time_limit_s:.0f} s) was reached")
+        if clock.out_of_time(time_limit_s, notes, f"{model.name} T={tokens}"):
             continue
         x = jax.random.normal(jax.random.fold_in(key, tokens), (n * tokens, model.hidden_size), ROW_DTYPE)
         entries, lowered = [], {}

@@ -403,8 +403,7 @@ def run(models: list[ModelShape], token_counts, clock: timing.Clock, compile_thr
     rows, notes = [], list(SKIP_NOTES)
     for model in models:
         for tokens in token_counts:
-            if time_limit_s is not None and clock.elapsed() > time_limit_s:
-                notes.append(f"{model.name} T={tokens}: not run, the time limit ({time_limit_s:.0f} s) was reached")
+            if clock.out_of_time(time_limit_s, notes, f"{model.name} T={tokens}"):
                 continue
             cases = SHAPE_CASES + (FLOOR_CASES if tokens == min(token_counts) else ())
             rows.extend(measure_shape(model, tokens, cases, layer_counts, clock, compile_threads))

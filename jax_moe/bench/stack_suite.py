@@ -109,9 +109,7 @@ def measure_model(model: ModelShape, token_counts, clock: timing.Clock, compile_
     clock.log(f"stack {model.name}: L={layers}, F={model.ffn_size}, params {param_bytes / 1e9:.2f} GB")
     rows = []
     for tokens in token_counts:
-        if time_limit_s is not None and clock.elapsed() > time_limit_s:
-            if notes is not None:
-                notes.append(f"{model.name} T={tokens}: not run, the time limit ({time_limit_s:.0f} s) was reached")
+        if clock.out_of_time(time_limit_s, notes, f"{model.name} T={tokens}"):
             continue
         config = model.config(tokens)
         x = jax.random.normal(jax.random.fold_in(key, tokens), (tokens, model.hidden_size), ROW_DTYPE)

@@ -41,6 +41,14 @@ class Clock:
     def log(self, message: str) -> None:
         print(f"[{self.elapsed():7.1f}s] {message}", flush=True)
 
+    def out_of_time(self, time_limit_s: float | None, notes: list | None, what: str) -> bool:
+        """True once ``time_limit_s`` has passed; then ``what`` is noted as not run."""
+        if time_limit_s is None or self.elapsed() <= time_limit_s:
+            return False
+        if notes is not None:
+            notes.append(f"{what}: not run, the time limit ({time_limit_s:.0f} s) was reached")
+        return True
+
 
 def lower(fn: Callable, args: tuple, donate_argnums: tuple[int, ...] = ()):
     """Lowers ``jax.jit(fn)`` for ``args`` (arrays or ShapeDtypeStructs), keeping its warnings.
