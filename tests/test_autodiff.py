@@ -93,6 +93,14 @@ def _stack_routes(params, x, config):
     return jnp.stack(routes)
 
 
+@pytest.fixture
+def full_f32_matmuls():
+    # XLA's default on GPUs is TF32, whose rounding swamps a finite difference (seen on the
+    # H200: directional derivatives 0.4-5% off, check_grads 1% off), while the CPU is exact f32.
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _check_directional_derivative(loss, args, routes, eps=1e-3, tries=5):
     """``<grad loss, v>`` against a central difference along random directions v.
 
@@ -100,13 +108,6 @@ def _check_directional_derivative(loss, args, routes, eps=1e-3, tries=5):
     direction is used only when the routing of every layer is the same at all of
     ``args + t * eps * v``, t in {-2, -1, 0, 1, 2}. Returns how many directions were checked.
     """
-    # Full float32 matmuls: XLA's default on GPUs is TF32, whose rounding swamps a finite
-    # difference at eps = 1e-3 (seen on the H200: 0.4-5% off), while the CPU is exact f32.
-    with jax.default_matmul_precision("highest"):
-        return _directional_checks(loss, args, routes, eps, tries)
-
-
-def _directional_checks(loss, args, routes, eps, tries):
     grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))(*args)
     loss = jax.jit(loss)
     checked = 0
@@ -124,7 +125,7 @@ def _directional_checks(loss, args, routes, eps, tries):
 
 
 @pytest.mark.parametrize("overrides", [{}, {"align": 4, "expert_map": (1, -1, 0, 2)}], ids=["plain", "ep-align"])
-def test_moe_layer_numerical_gradient(overrides):
+def test_moe_layer_numerical_gradient(overrides, full_f32_matmuls):
     config, params, x = _model(jnp.float32, num_tokens=6, **overrides)
     layer_params = jax.tree.map(lambda a: a[0], params)
     scratch = init_scratch(config)
@@ -139,7 +140,7 @@ def test_moe_layer_numerical_gradient(overrides):
     check_grads(experts, (layer_params["gate_up"], layer_params["down"]), order=1, modes=["rev"], eps=1e-2)
 
 
-def test_moe_stack_numerical_gradient():
+def test_moe_stack_numerical_gradient(full_f32_matmuls):
     # seed 1: no near-tie between the k-th and (k+1)-th router logit in any layer (gap > 0.03),
     # so small steps along most directions keep every layer's routing.
     config, params, x = _model(jnp.float32, seed=1)
