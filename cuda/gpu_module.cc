@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 
 #include "gpu_ops.h"
+#include "grouped_gemm.h"
 
 namespace {
 pybind11::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
@@ -15,8 +16,11 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
     pybind11::dict handlers;
     handlers["jax_moe_permute"] = Capsule(JaxMoePermuteCuda);
     handlers["jax_moe_unpermute"] = Capsule(JaxMoeUnpermuteCuda);
+    handlers["jax_moe_grouped_matmul"] = Capsule(JaxMoeGroupedMatmulCuda);
     handlers["jax_moe_bench_noop"] = Capsule(JaxMoeNoopCuda);
     handlers["jax_moe_bench_copy"] = Capsule(JaxMoeCopyCuda);
     return handlers;
   });
+  m.def("grouped_matmul_workspace_bytes", &jax_moe::GroupedGemmWorkspaceBytes, pybind11::arg("num_groups"),
+        "Workspace bytes the grouped GEMM needs for num_groups experts (sized for any Hopper GPU).");
 }

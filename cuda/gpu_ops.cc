@@ -8,6 +8,7 @@
 
 #include "ffi_shapes.h"
 #include "gpu_kernels.h"
+#include "grouped_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -92,6 +93,41 @@ ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer t
   return CudaStatus(LaunchUnpermute(args, stream), "jax_moe unpermute");
 }
 
+// rows [R, K] @ weights[g] [K, N] for the rows of each group g, read from expert_offsets on the
+// device; out [out_rows, N]. The workspace (the scratch's, aliased) holds CUTLASS's arguments.
+ffi::Error GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
+                             ffi::Buffer<ffi::S32> expert_offsets, ffi::Buffer<ffi::S32>, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::Buffer<ffi::S32>> workspace, int64_t tile) {
+  const auto r = rows.dimensions();
+  const auto w = weights.dimensions();
+  const auto o = out->dimensions();
+  if (r.size() != 2 || w.size() != 3 || o.size() != 2 || w[1] != r[1] || o[1] != w[2] || o[0] > r[0] ||
+      static_cast<int64_t>(expert_offsets.element_count()) != w[0] + 1 || rows.element_type() != ffi::BF16 ||
+      weights.element_type() != ffi::BF16 || out->element_type() != ffi::BF16 ||
+      (tile != static_cast<int64_t>(GemmTile::kSmallM) && tile != static_cast<int64_t>(GemmTile::kLargeM)))
+    return InvalidArgument("grouped_matmul: expected bf16 rows [R, K], weights [El, K, N], out [<= R, N], "
+                           "expert_offsets [El + 1] and a known tile");
+  if (r[1] % kGemmAlignElements != 0 || w[2] % kGemmAlignElements != 0)
+    return InvalidArgument("grouped_matmul: K and N must be multiples of 8");
+  GroupedGemmArgs args;
+  args.rows = rows.untyped_data();
+  args.weights = weights.untyped_data();
+  args.expert_offsets = expert_offsets.typed_data();
+  args.out = out->untyped_data();
+  args.workspace = workspace->untyped_data();
+  args.workspace_bytes = workspace->size_bytes();
+  args.out_rows = o[0];
+  args.num_groups = w[0];
+  args.k = w[1];
+  args.n = w[2];
+  args.tile = static_cast<GemmTile>(tile);
+  if (args.workspace_bytes < GroupedGemmWorkspaceBytes(args.num_groups) ||
+      reinterpret_cast<uintptr_t>(args.workspace) % 128 != 0)
+    return InvalidArgument("grouped_matmul: the scratch workspace is too small or misaligned for the grouped GEMM "
+                           "(scratch built without the CUDA module, or for another dtype?)");
+  return CudaStatus(LaunchGroupedGemm(args, stream), "jax_moe grouped_matmul");
+}
+
 // Benchmark floor and ceiling: an empty call on a donated buffer, and a device-to-device copy.
 ffi::Error NoopImpl(cudaStream_t, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
 
@@ -111,6 +147,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteCuda, jax_moe::PermuteImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteCuda, jax_moe::UnpermuteImpl,
                               jax_moe::BindUnpermute(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeGroupedMatmulCuda, jax_moe::GroupedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // rows [R, K] bf16
+                                  .Arg<ffi::AnyBuffer>()               // weights [El, K, N] bf16
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
+                                  .Ret<ffi::AnyBuffer>()               // out [out_rows, N] bf16
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // workspace
+                                  .Attr<int64_t>("tile"),              // GemmTile
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeNoopCuda, jax_moe::NoopImpl,

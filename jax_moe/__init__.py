@@ -2,12 +2,13 @@
 
 from jax_moe import reference
 from jax_moe.config import MoEConfig
+from jax_moe.gemm import grouped_matmul
 from jax_moe.layers import init_moe_params, moe_layer, moe_stack
 from jax_moe.ops import permute, unpermute
 from jax_moe.parallel import ExpertParallelScratch, init_scratch_ep, moe_layer_ep, moe_stack_ep, shard_params
 from jax_moe.scratch import MoEScratch, init_scratch
 
-__all__ = ["MoEConfig", "MoEScratch", "init_scratch", "permute", "unpermute", "reference",
+__all__ = ["MoEConfig", "MoEScratch", "init_scratch", "permute", "unpermute", "grouped_matmul", "reference",
            "init_moe_params", "moe_layer", "moe_stack",
            "ExpertParallelScratch", "init_scratch_ep", "moe_layer_ep", "moe_stack_ep", "shard_params"]
 __version__ = "0.1.0"

@@ -9,23 +9,31 @@ import jax
 
 PERMUTE_TARGET = "jax_moe_permute"
 UNPERMUTE_TARGET = "jax_moe_unpermute"
+GROUPED_MATMUL_TARGET = "jax_moe_grouped_matmul"  # CUDA only
 
 
-def _register(module_name: str, platform: str) -> bool:
+def _register(module_name: str, platform: str):
+    """The imported module once its handlers are registered, or None when it was not built."""
     try:
         module = importlib.import_module(f"jax_moe.{module_name}")
     except ImportError as e:
         if platform == "cpu":
             warnings.warn(f"jax_moe: native CPU module not available ({e}); using the pure-JAX reference "
                           "(jax_moe.reference) on CPU, which is slower.", RuntimeWarning, stacklevel=3)
-        return False
+        return None
     for name, capsule in module.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform=platform)
-    return True
+    return module
 
 
-HAS_CPU = _register("_jax_moe_cpu", "cpu")
-HAS_CUDA = _register("_jax_moe_cuda", "CUDA")
+HAS_CPU = _register("_jax_moe_cpu", "cpu") is not None
+_CUDA_MODULE = _register("_jax_moe_cuda", "CUDA")
+HAS_CUDA = _CUDA_MODULE is not None
+
+
+def grouped_matmul_workspace_bytes(num_groups: int) -> int:
+    """Bytes of workspace the CUDA grouped GEMM needs for num_groups experts; 0 without the module."""
+    return 0 if _CUDA_MODULE is None else int(_CUDA_MODULE.grouped_matmul_workspace_bytes(num_groups))
 
 _warned_gpu_fallback = False
 

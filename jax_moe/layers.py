@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import _validate
+from jax_moe import _validate, gemm
 from jax_moe.config import MoEConfig
 from jax_moe.ops import permute, unpermute
 from jax_moe.scratch import MoEScratch
@@ -131,6 +131,38 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
                 f"El={local}, gate_up last axis 2F even), got {have}")
 
 
+def live_row_bound(config, num_tokens: int) -> int:
+    """Static bound on the rows permute fills for num_tokens tokens: T*k + El*(align-1), aligned."""
+    bound = num_tokens * config.top_k + config.num_local_experts * (config.align - 1)
+    return min(config.capacity, -(-bound // config.align) * config.align)
+
+
+def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, num_tokens: int):
+    """``swiglu_experts`` on the CUDA grouped GEMM: gate/up as one GEMM of width 2F, then down.
+
+    Reads the rows and groups from the scratch and threads its workspace through both GEMMs.
+    Returns ``([R_cap, H] rows for unpermute, scratch)``. The gate/up product is rounded to the
+    rows' dtype before the activation (the ragged_dot path keeps it in float32).
+    """
+    config = scratch.config
+    dtype = config.dtype
+    live_bound = live_row_bound(config, num_tokens)
+    hidden, scratch = gemm.grouped_matmul(scratch.permuted, layer_params["gate_up"].astype(dtype), scratch,
+                                          num_rows=live_bound)
+    gate, up = jnp.split(hidden.astype(jnp.float32), 2, axis=-1)
+    activated = (jax.nn.silu(gate) * up).astype(dtype)
+    out, scratch = gemm.grouped_matmul(activated, layer_params["down"].astype(dtype), scratch)
+    if live_bound < config.capacity:
+        out = jnp.pad(out, ((0, config.capacity - live_bound), (0, 0)))
+    return out, scratch
+
+
+def uses_grouped_matmul(layer_params: dict, config) -> bool:
+    """Whether ``moe_layer``'s default experts run on the CUDA grouped GEMM (GPU, bf16, aligned sizes)."""
+    ffn_size = layer_params["down"].shape[-2]
+    return jax.default_backend() == "gpu" and gemm.supports_grouped_matmul(config, config.hidden_size, ffn_size)
+
+
 def experts_on_scratch(expert_fn: ExpertFn, layer_params, scratch: MoEScratch, num_tokens: int) -> jax.Array:
     """Runs the experts on the rows that can be live, returns [R_cap, H] for ``unpermute``.
 
@@ -138,8 +170,7 @@ def experts_on_scratch(expert_fn: ExpertFn, layer_params, scratch: MoEScratch, n
     sized for more tokens only that prefix goes through the GEMMs; the rest is zero (never read).
     """
     config = scratch.config
-    live_bound = num_tokens * config.top_k + config.num_local_experts * (config.align - 1)
-    live_bound = min(config.capacity, -(-live_bound // config.align) * config.align)
+    live_bound = live_row_bound(config, num_tokens)
     rows = scratch.permuted if live_bound == config.capacity else scratch.permuted[:live_bound]
     out = expert_fn(layer_params, rows, scratch.group_sizes)
     if out.shape != rows.shape or out.dtype != rows.dtype:
@@ -160,8 +191,9 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
       x: [T, H] of ``scratch.config.dtype``, T <= ``config.max_tokens``.
       scratch: the shared ``MoEScratch``; written in place when donated. Do not reuse the argument.
       expert_fn: ``expert_fn(layer_params, rows [R, H], group_sizes [El] int32) -> [R, H]`` rows'
-        dtype, where rows past ``sum(group_sizes)`` must not affect the others. None means
-        ``swiglu_experts`` (``jax.lax.ragged_dot``).
+        dtype, where rows past ``sum(group_sizes)`` must not affect the others. None means SwiGLU:
+        on a GPU with a bf16 config, ``swiglu_experts_grouped`` (the CUDA grouped GEMM,
+        ``jax_moe.grouped_matmul``); otherwise ``swiglu_experts`` (``jax.lax.ragged_dot``).
 
     Returns:
       ``(y, scratch)``: y [T, H] of x's dtype, the router-weighted sum of each token's k expert
@@ -181,6 +213,7 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
                          f"got {type(scratch).__name__}")
     config = scratch.config
     check_layer_params("moe_layer", layer_params, config, stacked=False)
+    grouped = expert_fn is None and uses_grouped_matmul(layer_params, config)
     expert_fn = swiglu_experts if expert_fn is None else expert_fn
     weights, ids = route(layer_params["router"], x, config)
     # The scratch is state, not a differentiable value: stopping its gradient on the way in and
@@ -188,7 +221,10 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
     # tangent for it and a scanned stack carries that tangent through every layer). It lowers to
     # nothing, so the buffers still flow straight from one aliased call to the next.
     scratch = permute(x, ids, lax.stop_gradient(scratch))
-    rows_out = experts_on_scratch(expert_fn, layer_params, scratch, x.shape[0])
+    if grouped:
+        rows_out, scratch = swiglu_experts_grouped(layer_params, scratch, x.shape[0])
+    else:
+        rows_out = experts_on_scratch(expert_fn, layer_params, scratch, x.shape[0])
     y = unpermute(rows_out, weights, scratch)
     return y, lax.stop_gradient(scratch)
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moe import _native
 from jax_moe.config import MoEConfig
 
 BUFFER_NAMES = ("permuted", "src_index", "dest_index", "group_sizes", "expert_offsets", "workspace")
@@ -17,9 +18,23 @@ BUFFER_NAMES = ("permuted", "src_index", "dest_index", "group_sizes", "expert_of
 ROUTING_TILE = 1024
 
 
+# Element types of the CUDA grouped GEMM (cuda/grouped_gemm_impl.cuh): only configs of these
+# dtypes reserve room for its arguments in the workspace.
+GROUPED_MATMUL_DTYPES = (jnp.dtype(jnp.bfloat16),)
+
+
 def workspace_size(config: MoEConfig) -> int:
+    """int32 words of the workspace: permute's routing counters and the grouped GEMM's arguments.
+
+    The two are never live at once (each call leaves nothing in it for the next), so they share
+    the buffer and its size is the larger of the two.
+    """
     tiles = -(-config.max_tokens * config.top_k // ROUTING_TILE)
-    return config.num_local_experts * (tiles + 1)
+    routing_words = config.num_local_experts * (tiles + 1)
+    gemm_bytes = 0
+    if config.dtype in GROUPED_MATMUL_DTYPES:
+        gemm_bytes = _native.grouped_matmul_workspace_bytes(config.num_local_experts)
+    return max(routing_words, -(-gemm_bytes // 4))
 
 
 def buffer_shapes(config: MoEConfig) -> dict[str, jax.ShapeDtypeStruct]:
@@ -51,8 +66,8 @@ class MoEScratch:
         the last ``permute`` are unspecified.
       group_sizes: [El] int32; rows of each local expert, padded to ``config.align``.
       expert_offsets: [El + 1] int32; exclusive prefix sum of ``group_sizes`` (last = live rows).
-      workspace: int32 routing workspace of the CUDA kernels (per-tile expert counts), so that no
-        handler allocates; its contents are unspecified.
+      workspace: int32 workspace of the CUDA kernels (permute's per-tile expert counts, the
+        grouped GEMM's per-expert arguments), so that no handler allocates; contents unspecified.
       config: the ``MoEConfig`` these buffers were built for.
     """
 

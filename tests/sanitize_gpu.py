@@ -31,3 +31,15 @@ for case in CASES:
     y = np.random.default_rng(0).standard_normal((config.capacity, config.hidden_size)).astype(case.x.dtype)
     out = jax.jit(jax_moe.unpermute)(y, case.topk_weights, scratch)
     print(case.name, "live rows", int(scratch.expert_offsets[-1]), "out finite", bool(np.isfinite(np.asarray(out, np.float32)).all()))
+
+# The grouped GEMM on the same groups: bf16 with align padding and empty experts, both tiles.
+for num_tokens in (24, 3000):
+    config = jax_moe.MoEConfig(num_experts=64, top_k=4, hidden_size=256, max_tokens=num_tokens, align=8)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((num_tokens, 256)).astype(jax.numpy.bfloat16)
+    ids = rng.integers(0, 20, (num_tokens, 4)).astype(np.int32)  # experts 20..63 stay empty
+    scratch = jax.jit(jax_moe.permute)(x, ids, jax_moe.init_scratch(config))
+    w = (rng.standard_normal((64, 256, 512)) / 16).astype(jax.numpy.bfloat16)
+    out, scratch = jax.jit(jax_moe.grouped_matmul)(scratch.permuted, w, scratch)
+    print("grouped_matmul T", num_tokens, "live rows", int(scratch.expert_offsets[-1]),
+          "out finite", bool(np.isfinite(np.asarray(out, np.float32)).all()))

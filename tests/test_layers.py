@@ -44,6 +44,28 @@ def _assert_close(actual, expected, dtype):
         np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
 
 
+def _tokens_off_ties(params, x, config, min_gap=1e-3):
+    """Tokens whose top-k is clear in every layer of the baseline stack (a boolean mask [T]).
+
+    Layers differ from the baseline by the last bits of bf16 roundings (the GPU's grouped GEMM
+    rounds gate/up to bf16, ragged_dot keeps float32), and a token whose k-th and (k+1)-th router
+    probabilities nearly tie can then pick another expert in a later layer: a right answer, not
+    comparable. Seen on the H200: a gap of 3e-5 in layer 3 of the bf16 expert_map case.
+    """
+    clear = np.ones(x.shape[0], bool)
+    h = x
+    for layer in range(params["router"].shape[0]):
+        p = jax.tree.map(lambda a: a[layer], params)
+        normed = layers.rms_norm(h)
+        logits = jnp.dot(normed, p["router"], preferred_element_type=jnp.float32, precision="highest")
+        scores = jax.nn.softmax(logits, axis=-1) if config.scoring == "softmax" else jax.nn.sigmoid(logits)
+        probs = np.sort(np.asarray(scores), axis=-1)[:, ::-1]
+        if config.top_k < config.num_experts:
+            clear &= probs[:, config.top_k - 1] - probs[:, config.top_k] > min_gap
+        h = h + baseline_moe_layer(p, normed, config)
+    return clear
+
+
 def test_public_names_are_exported():
     assert jax_moe.init_moe_params is init_moe_params
     assert jax_moe.moe_layer is moe_layer
@@ -101,7 +123,9 @@ def test_moe_stack_matches_baseline(variant, dtype, num_tokens, unroll):
     assert y.shape == x.shape and y.dtype == x.dtype
     # Each layer changes x: the stack is not the identity.
     assert np.abs(np.asarray(expected, np.float32) - np.asarray(x, np.float32)).max() > 0.1
-    _assert_close(y, expected, dtype)
+    clear = _tokens_off_ties(params, x, config) if jnp.dtype(dtype) != jnp.float32 else np.ones(len(x), bool)
+    assert clear.mean() >= 0.5, "too many near-tied tokens for a meaningful comparison"
+    _assert_close(np.asarray(y)[clear], np.asarray(expected)[clear], dtype)
     # The scratch comes back usable: a second step with it gives the same answer.
     y2, _ = step(params, x, scratch)
     np.testing.assert_array_equal(np.asarray(y2, np.float32), np.asarray(y, np.float32))

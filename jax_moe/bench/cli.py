@@ -8,7 +8,7 @@ import os
 import pathlib
 
 from jax_moe.bench import models as shapes
-from jax_moe.bench import parallel_suite, permute_suite, report, stack_suite, timing
+from jax_moe.bench import gemm_suite, parallel_suite, permute_suite, report, stack_suite, timing
 
 DEFAULT_OUT = "notebooks/results"
 # The DeepSeek-V3 stack holds 90 GB of weights; JAX's default pool (75 % of the card) is too small.
@@ -27,7 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m jax_moe.bench",
         description="Benchmarks jax_moe per layer (suite permute) and per decode step (suite stack); "
                     "the method is in the docstring of jax_moe.bench.")
-    parser.add_argument("--suite", choices=("permute", "stack", "parallel", "all"), default="all")
+    parser.add_argument("--suite", choices=("permute", "stack", "parallel", "gemm", "all"), default="all")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--quick", action="store_true",
                         help="a small subset (two models, three T; one stack model, two T), about a minute")
@@ -117,6 +117,15 @@ def main(argv=None) -> dict:
             parallel_suite.markdown, {"method": timing.PER_LAYER_METHOD, "layer_counts": list(args.layers),
                                       "facts": found}, out_dir, clock, env)
 
+    if args.suite in ("gemm", "all"):
+        models, tokens = _selection(args, gemm_suite.MODELS, gemm_suite.TOKENS,
+                                    gemm_suite.QUICK_MODELS, gemm_suite.QUICK_TOKENS)
+        records["gemm"] = _run_suite(
+            "gemm",
+            functools.partial(gemm_suite.run, models, tokens, clock, args.compile_threads,
+                              time_limit_s=args.time_limit),
+            gemm_suite.markdown, {"method": gemm_suite.METHOD}, out_dir, clock, env)
+
     print(flush=True)
     if "permute" in records:
         print("permute, µs per layer (ratio = jax_moe / argsort; % of the copy ceiling):")
@@ -127,6 +136,10 @@ def main(argv=None) -> dict:
     if "stack" in records:
         print("stack, one decode step:")
         print(report.stack_table(records["stack"]["rows"]))
+        print()
+    if "gemm" in records:
+        print("gemm:")
+        print(gemm_suite.table(records["gemm"]["rows"]))
         print()
     if "parallel" in records:
         print("parallel, µs per layer:")

@@ -19,7 +19,7 @@ class ModelShape:
       name: the name used on the command line.
       label: the name printed in tables.
       num_experts, top_k, hidden_size: E, k, H.
-      ffn_size: F, each expert's intermediate size (stack suite only).
+      ffn_size: F, each expert's intermediate size (stack and gemm suites).
       stack_layers: L of the stack suite's model, chosen to fit the card's memory and the run's
         time budget (None: not in the stack suite).
     """
@@ -41,14 +41,14 @@ class ModelShape:
 
 
 MODELS = {m.name: m for m in (
-    ModelShape("mixtral", "Mixtral-8x7B", 8, 2, 4096),
+    ModelShape("mixtral", "Mixtral-8x7B", 8, 2, 4096, ffn_size=14336),
     # Stack: the real model has 48 MoE layers (58 GB of bf16 experts); 16 keep the unrolled
     # compile inside the run's time budget. Per-layer time is step time / L.
     ModelShape("qwen3_30b", "Qwen3-30B-A3B", 128, 8, 2048, ffn_size=768, stack_layers=16),
     # Stack: one layer's experts are 256 x 3 x 7168 x 2048 bf16 = 22.5 GB, so 4 layers (90 GB)
     # is what fits the 139 GiB card next to the per-layer temporaries (the real model has 58).
     ModelShape("deepseek_v3", "DeepSeek-V3", 256, 8, 7168, ffn_size=2048, stack_layers=4),
-    ModelShape("qwen35_397b", "Qwen3.5-397B-A17B", 512, 10, 4096),
+    ModelShape("qwen35_397b", "Qwen3.5-397B-A17B", 512, 10, 4096, ffn_size=1024),
     # CPU development and tests: the whole harness in seconds.
     ModelShape("tiny", "tiny (CPU test)", 8, 2, 64, ffn_size=32, stack_layers=2),
 )}

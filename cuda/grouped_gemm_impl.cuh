@@ -1,0 +1,128 @@
+// The CUTLASS side of the grouped GEMM: types shared by every tile configuration, the layout of
+// the per-group argument arrays inside the workspace, and one templated runner. Each tile
+// configuration is instantiated in its own .cu file (they compile in parallel).
+#ifndef JAX_MOE_GROUPED_GEMM_IMPL_CUH_
+#define JAX_MOE_GROUPED_GEMM_IMPL_CUH_
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "grouped_gemm.h"
+
+namespace jax_moe::gemm {
+
+using Element = cutlass::bfloat16_t;
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
+using Shape = ProblemShape::UnderlyingProblemShape;
+// rows [M_g, K], w[g] [K, N] and out [M_g, N] are all row-major.
+using Layout = cutlass::layout::RowMajor;
+constexpr int kAlign = static_cast<int>(kGemmAlignElements);
+// Ptr-array strides (the batch mode is unused): A and D advance by their row length, B (CUTLASS's
+// [N, K] view of w[g]) is N-contiguous and advances by N per k.
+using StrideA = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
+using StrideB = cute::Stride<cute::Int<1>, int64_t, cute::Int<0>>;
+using StrideD = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
+
+// Where each per-group array sits in the workspace: fixed by the group count alone, so the setup
+// kernel and the host agree without passing offsets around. The CUTLASS workspace comes last.
+struct WorkspaceLayout {
+  size_t shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, cutlass;
+
+  CUTLASS_HOST_DEVICE static constexpr size_t Round(size_t bytes) { return (bytes + 127) / 128 * 128; }
+  CUTLASS_HOST_DEVICE explicit WorkspaceLayout(int64_t groups) {
+    const size_t g = static_cast<size_t>(groups);
+    shapes = 0;
+    ptr_a = shapes + Round(g * sizeof(Shape));
+    ptr_b = ptr_a + Round(g * sizeof(void*));
+    ptr_d = ptr_b + Round(g * sizeof(void*));
+    stride_a = ptr_d + Round(g * sizeof(void*));
+    stride_b = stride_a + Round(g * sizeof(StrideA));
+    stride_d = stride_b + Round(g * sizeof(StrideB));
+    cutlass = stride_d + Round(g * sizeof(StrideD));
+  }
+};
+
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+struct Config {
+  // No C operand: D = accumulator, rounded to bf16.
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, Layout*, kAlign, Element, Layout*, kAlign, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<Element, float, void>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout*, kAlign, Element, Layout*, kAlign,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static_assert(std::is_same_v<typename Kernel::InternalStrideA, StrideA>);
+  static_assert(std::is_same_v<typename Kernel::InternalStrideB, StrideB>);
+  static_assert(std::is_same_v<typename Kernel::InternalStrideD, StrideD>);
+};
+
+using SmallM = Config<cute::Shape<cute::_64, cute::_128, cute::_64>, cute::Shape<cute::_1, cute::_1, cute::_1>,
+                      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                      cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+using LargeM = Config<cute::Shape<cute::_128, cute::_256, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>,
+                      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+
+// CUTLASS arguments over the per-group arrays in the workspace. No host problem shapes: the
+// persistent tile scheduler reads the shapes on the device, so the host never learns group sizes.
+template <class C>
+typename C::Gemm::Arguments MakeArguments(const GroupedGemmArgs& args, int sm_count) {
+  char* base = static_cast<char*>(args.workspace);
+  const WorkspaceLayout layout(args.num_groups);
+  using ElementPtr = const Element*;
+  typename C::Gemm::Arguments arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {static_cast<int>(args.num_groups), reinterpret_cast<Shape*>(base + layout.shapes), nullptr},
+      {reinterpret_cast<ElementPtr*>(base + layout.ptr_a), reinterpret_cast<StrideA*>(base + layout.stride_a),
+       reinterpret_cast<ElementPtr*>(base + layout.ptr_b), reinterpret_cast<StrideB*>(base + layout.stride_b)},
+      {{}, nullptr, nullptr, reinterpret_cast<Element**>(base + layout.ptr_d),
+       reinterpret_cast<StrideD*>(base + layout.stride_d)},
+      cutlass::KernelHardwareInfo{0, sm_count}};
+  arguments.epilogue.thread.alpha = 1.0f;
+  arguments.epilogue.thread.beta = 0.0f;
+  return arguments;
+}
+
+// CUTLASS's own workspace (per-SM TMA descriptors and scheduler state) for kGemmMaxSms SMs.
+template <class C>
+size_t CutlassWorkspaceBytes(int64_t num_groups) {
+  GroupedGemmArgs args{};
+  args.num_groups = num_groups;
+  return C::Gemm::get_workspace_size(MakeArguments<C>(args, kGemmMaxSms));
+}
+
+// Launches the GEMM on the arrays the setup kernel wrote. Host work only builds the kernel's
+// parameters (TMA descriptors from placeholders); everything launched goes on `stream`.
+template <class C>
+cudaError_t RunGemm(const GroupedGemmArgs& args, int sm_count, cudaStream_t stream) {
+  const WorkspaceLayout layout(args.num_groups);
+  typename C::Gemm gemm;
+  const auto arguments = MakeArguments<C>(args, sm_count);
+  if (C::Gemm::get_workspace_size(arguments) > args.workspace_bytes - layout.cutlass) return cudaErrorInvalidValue;
+  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
+  void* cutlass_workspace = static_cast<char*>(args.workspace) + layout.cutlass;
+  if (gemm.initialize(arguments, cutlass_workspace, stream) != cutlass::Status::kSuccess) return cudaErrorUnknown;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
+  return cudaGetLastError();
+}
+
+}  // namespace jax_moe::gemm
+
+#endif  // JAX_MOE_GROUPED_GEMM_IMPL_CUH_

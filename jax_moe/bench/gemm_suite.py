@@ -1,0 +1,241 @@
+"""Suite gemm: the expert GEMMs and the whole MoE layer on the grouped GEMM (issue 8).
+
+Per model and token count T (rows = T*k routed uniformly at random, as permute groups them):
+- the gate/up GEMM [rows, H] x [El, H, 2F] by jax_moe.grouped_matmul, jax.lax.ragged_dot, Pallas
+  Mosaic-GPU ragged_dot_mgpu (best of a few configs, models with E <= 128), and a dense jnp.dot
+  [rows, H] x [H, 2F] of the same FLOPs as the ceiling; TFLOP/s = 2*rows*H*2F / time;
+- the active experts' weight bytes per second against the copy ceiling (decode is weight bound);
+- the whole layer (route, permute, experts, unpermute): jax_moe.moe_layer against the pure-JAX
+  baseline layer on ragged_dot.
+Timing: METHOD below.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import jax_moe
+from jax_moe import baseline, gemm, layers
+from jax_moe.bench import timing
+from jax_moe.bench.models import ModelShape
+
+MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
+TOKENS = (1, 16, 128, 1024, 4096, 16384)
+QUICK_MODELS = ("qwen3_30b",)
+QUICK_TOKENS = (16, 4096)
+LAYER_TOKENS = (1, 1024, 4096)  # the whole-layer comparison
+REPEATS = (1, 4)  # N1, N2
+# ragged_dot is skipped where it takes seconds per call (issue 8 measured 157 ms for DeepSeek-V3 at
+# 8192 rows): the suite would spend its device time there.
+RAGGED_DOT_MAX_ROWS_X_EXPERTS = 16384 * 256
+MGPU_MAX_EXPERTS = 128  # its grid has one step per group and row block: compile time grows with E
+MGPU_CONFIGS = ({"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
+                {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 2})
+# (A third, 128 x 256 with 3 stages, was 3-5x slower than these on the H200 for Qwen3-30B shapes.)
+COPY_BYTES = 1 << 30
+METHOD = ("Each op runs N times inside one jitted fori_loop, its operands in the carry behind an "
+          "optimisation barrier (nothing is hoisted), a scratch threaded through; time per op = "
+          "(t(N2) - t(N1)) / (N2 - N1) of median wall times, N1, N2 = %d, %d: host dispatch cancels." % REPEATS)
+NOTES = [
+    "GEMM: the fused gate/up projection of one layer, [T*k, H] x [El, H, 2F], bf16 in and out, f32 "
+    "accumulation; rows routed uniformly at random.",
+    "weight GB/s: bytes of the experts that own at least one row / time; copy: jax_moe_bench_copy "
+    "of 1 GiB, (read + write bytes) / time.",
+    "jax_moe: gradients (not timed here) use jax.lax.ragged_dot for the two backward GEMMs.",
+]
+
+
+def _timed(fn, operands, clock) -> dict:
+    """Seconds per call of ``fn(*operands) -> (out, operands)``, by the N1/N2 in-graph difference.
+
+    The operands returned are the next call's (a scratch threads through, written in place).
+    """
+    def program(n, ops):
+        def body(_, carry):
+            ops, acc = carry
+            ops = lax.optimization_barrier(ops)
+            out, ops = fn(*ops)
+            leaf = lax.optimization_barrier(jax.tree.leaves(out)[0])
+            return ops, acc + leaf.reshape(-1)[0].astype(jnp.float32)
+        return lax.fori_loop(0, n, body, (ops, jnp.float32(0)))[1]
+
+    compiled = {n: jax.jit(functools.partial(program, n)).lower(operands).compile() for n in REPEATS}
+    for n in REPEATS:  # warm-up: load kernels, record command buffers
+        jax.block_until_ready(compiled[n](operands))
+    samples = {n: [] for n in REPEATS}
+    start = time.perf_counter()
+    while True:
+        for n in REPEATS:
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled[n](operands))
+            samples[n].append(time.perf_counter() - t0)
+        if len(samples[REPEATS[0]]) >= timing.MAX_REPEATS or (
+                len(samples[REPEATS[0]]) >= 3 and time.perf_counter() - start > timing.TARGET_SECONDS):
+            break
+    medians = {n: statistics.median(v) for n, v in samples.items()}
+    return {"s": (medians[REPEATS[1]] - medians[REPEATS[0]]) / (REPEATS[1] - REPEATS[0]),
+            "repeats": len(samples[REPEATS[0]])}
+
+
+def _routed_scratch(config, tokens, key):
+    ids = lax.top_k(jax.random.uniform(key, (tokens, config.num_experts)), config.top_k)[1]
+    x = jax.random.normal(key, (tokens, config.hidden_size), jnp.bfloat16)
+    return jax.jit(jax_moe.permute)(x, ids, jax_moe.init_scratch(config)), x
+
+
+def _mgpu(rows, weights, sizes, config):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    return ragged_dot_mgpu.ragged_dot(rows, weights, group_sizes=sizes, **config)
+
+
+def measure_gemm(model: ModelShape, tokens: int, clock, notes) -> list[dict]:
+    config = model.config(tokens)
+    key = jax.random.key(tokens)
+    scratch, _ = _routed_scratch(config, tokens, key)
+    H, N = model.hidden_size, 2 * model.ffn_size
+    weights = (jax.random.normal(key, (config.num_local_experts, H, N), jnp.float32) / H ** 0.5).astype(jnp.bfloat16)
+    live = layers.live_row_bound(config, tokens)
+    rows = scratch.permuted[:live]
+    sizes = scratch.group_sizes
+    active = int((sizes > 0).sum())
+    flops = 2 * tokens * config.top_k * H * N
+    base = {"model": model.name, "T": tokens, "rows": tokens * config.top_k, "K": H, "N": N,
+            "active_experts": active, "weight_bytes": active * H * N * 2, "flops": flops}
+    def ours(w, s):
+        out, s = jax_moe.grouped_matmul(s.permuted, w, s, num_rows=live)
+        return out, (w, s)
+
+    impls = {
+        "jax_moe": (ours, (weights, scratch)),
+        "ragged_dot": (lambda r, w, g: (lax.ragged_dot(r, w, g, preferred_element_type=jnp.float32).astype(r.dtype),
+                                        (r, w, g)), (rows, weights, sizes)),
+        "dense": (lambda r, w: (jnp.dot(r, w, preferred_element_type=jnp.float32).astype(r.dtype), (r, w)),
+                  (rows[:tokens * config.top_k], weights[0])),
+    }
+    if tokens * config.top_k * config.num_experts > RAGGED_DOT_MAX_ROWS_X_EXPERTS:
+        del impls["ragged_dot"]
+        notes.append(f"{model.name} T={tokens}: ragged_dot not run (rows x experts > {RAGGED_DOT_MAX_ROWS_X_EXPERTS})")
+    if config.num_experts <= MGPU_MAX_EXPERTS:
+        for i, cfg in enumerate(MGPU_CONFIGS):
+            impls[f"mgpu{i}"] = (lambda r, w, g, cfg=cfg: (_mgpu(r, w, g, cfg), (r, w, g)), (rows, weights, sizes))
+    out = []
+    for name, (fn, operands) in impls.items():
+        try:
+            result = _timed(fn, operands, clock)
+            row = {**base, "impl": name, "us": result["s"] * 1e6, "repeats": result["repeats"]}
+        except Exception as e:  # one failing implementation must not end the run
+            row = {**base, "impl": name, "error": timing.describe_error(e)}
+        if "us" in row:
+            row["tflops"] = flops / row["us"] / 1e6
+            row["weight_gbs"] = base["weight_bytes"] / row["us"] / 1e3
+        clock.log(f"gemm {model.name} T={tokens} {name}: " +
+                  (f"{row['us']:.1f} us, {row['tflops']:.1f} TFLOP/s" if "us" in row else row["error"]))
+        out.append(row)
+    mgpu = [r for r in out if r["impl"].startswith("mgpu") and "us" in r]
+    failed = [r["error"] for r in out if r["impl"].startswith("mgpu") and "error" in r]
+    if failed and not mgpu:
+        notes.append(f"{model.name} T={tokens}: ragged_dot_mgpu failed: {failed[0]}")
+    if mgpu:
+        best = min(mgpu, key=lambda r: r["us"])
+        out.append({**best, "impl": "ragged_dot_mgpu", "config": MGPU_CONFIGS[int(best["impl"][4:])]})
+    return [r for r in out if not r["impl"].startswith("mgpu")]
+
+
+def measure_layer(model: ModelShape, tokens: int, clock) -> list[dict]:
+    config = model.config(tokens)
+    params = jax_moe.init_moe_params(jax.random.key(0), config, 1, model.ffn_size)
+    layer_params = jax.tree.map(lambda a: a[0], params)
+    x = jax.random.normal(jax.random.key(1), (tokens, model.hidden_size), jnp.bfloat16)
+    scratch = jax_moe.init_scratch(config)
+    def ours(p, x, s):
+        y, s = jax_moe.moe_layer(p, x, s)
+        return y, (p, x, s)
+
+    impls = {"jax_moe": (ours, (layer_params, x, scratch)),
+             "baseline": (lambda p, x: (baseline.baseline_moe_layer(p, x, config), (p, x)), (layer_params, x))}
+    rows = []
+    for name, (fn, operands) in impls.items():
+        row = {"model": model.name, "T": tokens, "impl": name, "grouped_gemm": layers.uses_grouped_matmul(
+            layer_params, config) if name == "jax_moe" else False}
+        try:
+            row["us"] = _timed(fn, operands, clock)["s"] * 1e6
+        except Exception as e:
+            row["error"] = timing.describe_error(e)
+        clock.log(f"layer {model.name} T={tokens} {name}: {row.get('us', row.get('error'))}")
+        rows.append(row)
+    return rows
+
+
+def copy_ceiling_gbs(clock) -> float | None:
+    from jax_moe.bench.permute_suite import _bench_copy
+    try:
+        buffer = jnp.ones((COPY_BYTES // 2,), jnp.bfloat16)
+        seconds = _timed(lambda b: (_bench_copy(b), (b,)), (buffer,), clock)["s"]
+        return 2 * COPY_BYTES / seconds / 1e9
+    except Exception as e:
+        clock.log(f"copy ceiling: {timing.describe_error(e)}")
+        return None
+
+
+def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_limit_s=None, on_rows=None):
+    del compile_threads  # programs here are few and large; compiled one at a time
+    notes = list(NOTES)
+    copy = copy_ceiling_gbs(clock)
+    notes.append(f"copy ceiling: {copy:.0f} GB/s" if copy else "copy ceiling: not measured")
+    rows = []
+    for model in models:
+        for tokens in token_counts:
+            if clock.out_of_time(time_limit_s, notes, f"gemm {model.name} T={tokens}"):
+                break
+            rows.extend(r | {"copy_gbs": copy} for r in measure_gemm(model, tokens, clock, notes))
+            if on_rows:
+                on_rows(rows, notes)
+        for tokens in LAYER_TOKENS:
+            if tokens not in token_counts or clock.out_of_time(time_limit_s, notes, f"layer {model.name} T={tokens}"):
+                continue
+            rows.extend(measure_layer(model, tokens, clock))
+            if on_rows:
+                on_rows(rows, notes)
+    return rows, notes
+
+
+def table(rows: list[dict]) -> str:
+    from jax_moe.bench.report import table as md_table
+    lines = []
+    gemm_rows = [r for r in rows if "flops" in r]
+    keys = sorted({(r["model"], r["T"]) for r in gemm_rows}, key=lambda k: (MODELS.index(k[0]) if k[0] in MODELS else 9, k[1]))
+    for model, tokens in keys:
+        by = {r["impl"]: r for r in gemm_rows if (r["model"], r["T"]) == (model, tokens)}
+        cell = lambda n: f"{by[n]['us']:.0f} µs / {by[n]['tflops']:.0f}" if n in by and "us" in by[n] else "–"
+        ours, dense = by.get("jax_moe", {}), by.get("dense", {})
+        frac = f"{ours['tflops'] / dense['tflops']:.0%}" if "us" in ours and "us" in dense else "–"
+        wbw = f"{ours['weight_gbs'] / ours['copy_gbs']:.0%}" if "us" in ours and ours.get("copy_gbs") else "–"
+        lines.append([model, str(tokens), cell("jax_moe"), cell("ragged_dot"), cell("ragged_dot_mgpu"),
+                      cell("dense"), frac, wbw])
+    text = md_table(["model", "T", "jax_moe (µs / TFLOP/s)", "ragged_dot", "ragged_dot_mgpu", "dense jnp.dot",
+                     "jax_moe % of dense", "weight read % of copy"], lines)
+    layer_rows = [r for r in rows if "flops" not in r]
+    lines = []
+    for model, tokens in sorted({(r["model"], r["T"]) for r in layer_rows}):
+        by = {r["impl"]: r for r in layer_rows if (r["model"], r["T"]) == (model, tokens)}
+        ours, base = by.get("jax_moe", {}), by.get("baseline", {})
+        speedup = f"{base['us'] / ours['us']:.1f}x" if "us" in ours and "us" in base else "–"
+        lines.append([model, str(tokens), f"{ours.get('us', float('nan')):.0f}", f"{base.get('us', float('nan')):.0f}",
+                      speedup])
+    if lines:
+        text += "\n\nWhole MoE layer, µs:\n\n" + md_table(["model", "T", "jax_moe", "pure JAX + ragged_dot",
+                                                            "speed-up"], lines)
+    return text
+
+
+def markdown(record: dict) -> str:
+    from jax_moe.bench.report import header_block
+    lines = header_block("Grouped GEMM (suite gemm)", record["meta"], record.get("elapsed_s", 0.0),
+                         record["method"], record["notes"])
+    return "\n".join(lines) + "\n\n" + table(record["rows"]) + "\n"
