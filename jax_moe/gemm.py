@@ -16,6 +16,7 @@ from jax import lax
 
 from jax_moe import _native
 from jax_moe._validate import check_scratch
+from jax_moe.ops import fence_results
 from jax_moe.scratch import GROUPED_MATMUL_DTYPES, MoEScratch
 
 # Tile configurations of cuda/grouped_gemm.h (GemmTile): 64-row tiles for few rows per expert
@@ -74,7 +75,7 @@ def _grouped_matmul_cuda(rows, weights, offsets, workspace, num_rows, tile):
          jax.ShapeDtypeStruct(workspace.shape, workspace.dtype)),
         input_output_aliases={3: 1},
         vmap_method="sequential")
-    return lax.optimization_barrier(call(rows, weights, offsets, workspace, tile=np.int64(tile)))
+    return fence_results(call(rows, weights, offsets, workspace, tile=np.int64(tile)))
 
 
 def _group_sizes(offsets):

@@ -37,7 +37,7 @@ def _on_platform(native, fallback, *args):
         default=fallback)
 
 
-def _fence(outputs):
+def fence_results(outputs):
     """Keeps XLA:GPU from fusing a result's consumer into the custom call.
 
     Its dynamic-slice fusion rewrites "custom call, then dynamic-update-slice of a result into a
@@ -61,7 +61,7 @@ def _permute_native(x, ids, scratch: MoEScratch) -> MoEScratch:
     # An empty map tells the handlers "identity": no per-route lookup.
     expert_map = np.zeros((0,), np.int32) if config.expert_map is None else config.expert_map_array()
     outputs = call(x, ids, jnp.asarray(expert_map), *buffers, align=np.int64(config.align))
-    return scratch.replace(**dict(zip(BUFFER_NAMES, _fence(outputs))))
+    return scratch.replace(**dict(zip(BUFFER_NAMES, fence_results(outputs))))
 
 
 def _unpermute_native(y, topk_weights, dest_index):
@@ -69,7 +69,7 @@ def _unpermute_native(y, topk_weights, dest_index):
         _native.UNPERMUTE_TARGET,
         jax.ShapeDtypeStruct((topk_weights.shape[0], y.shape[1]), y.dtype),
         vmap_method=_VMAP_METHOD)
-    return _fence(call(y, topk_weights, dest_index))
+    return fence_results(call(y, topk_weights, dest_index))
 
 
 def _unpermute_any(y, topk_weights, dest_index):

@@ -133,7 +133,7 @@ def test_no_scratch_copies_in_a_donated_layer_or_training_step():
     text = train.lower(params, x, scratch).compile().as_text()
     assert scratch_copies(text, scratch) == []
     # One permute per layer, in the rolled forward scan. XLA:GPU's dynamic-slice fusion once
-    # cloned it into a second call that wrote the stacked residual (see ops._fence).
+    # cloned it into a second call that wrote the stacked residual (see ops.fence_results).
     if _native.HAS_CPU if jax.default_backend() == "cpu" else _native.HAS_CUDA:
         assert text.count('custom_call_target="jax_moe_permute"') == 1, "permute cloned or missing"
 
