@@ -1,4 +1,4 @@
-"""Benchmarks of jax_moe on the device: ``python -m jax_moe.bench --suite permute|stack|all``.
+"""Benchmarks of jax_moe on the device: ``python -m jax_moe.bench --suite permute|stack|gemm|all``.
 
 Suite ``permute`` (issue 3): per layer, inside a jitted ``lax.scan`` of L layers, jax_moe permute,
 unpermute and the pair (scratch donated, and the pair not donated); the pure-JAX baselines
@@ -9,6 +9,10 @@ and fully unrolled scans. Output: µs per layer, GB/s, % of the copy ceiling, ra
 
 Suite ``stack`` (issue 4): one jitted decode step of the whole scanned MoE stack (``moe_stack``,
 scratch donated or not, vs ``baseline_moe_stack``), rolled and unrolled.
+
+Suite ``gemm`` (issue 8): the expert GEMMs on ``grouped_matmul`` against ``ragged_dot``, Pallas
+``ragged_dot_mgpu`` and a dense ``jnp.dot``, and the whole layer against the pure-JAX layer
+(``gemm_suite``, which also says how each op is timed).
 
 How a per-layer time is measured (host dispatch excluded). A jitted call costs tens of µs of host
 dispatch, more than a decode layer, so one call per layer cannot be timed. Instead each case is
@@ -21,8 +25,9 @@ layer's output is the next layer's input, so nothing is dead code or folded away
 (``permute_suite`` says how; ``tests/test_bench.py`` checks the compiled programs).
 
 Time budget (one H200, estimated, compile-bound): ``--suite permute`` about 3 min (800 small
-programs), ``--suite stack`` about 2-3 min (36 programs with GEMM autotuning), ``--quick`` about
-1-2 min. All programs of one shape are lowered first, then compiled concurrently in threads (XLA
+programs), ``--suite stack`` about 2-3 min (36 programs with GEMM autotuning), ``--suite gemm`` about
+8-9 min (four models; ragged_dot alone takes 0.16 s per call at DeepSeek-V3's T=1024), ``--quick``
+about 2-3 min. All programs of one shape are lowered first, then compiled concurrently in threads (XLA
 compiles without the GIL), then timed one by one; unrolled scans run only at decode sizes
 (T <= 16); floors once per model; repeats adapt to about 0.15 s per case. JSON and markdown are
 rewritten after every shape, so a run cut short (``--time-limit``, or a kill) keeps its results.

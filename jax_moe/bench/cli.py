@@ -25,12 +25,14 @@ def _names(values: list[str] | None) -> list[str] | None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m jax_moe.bench",
-        description="Benchmarks jax_moe per layer (suite permute) and per decode step (suite stack); "
+        description="Benchmarks jax_moe per layer (suite permute), per decode step (suite stack) and its "
+                    "expert GEMMs (suite gemm); "
                     "the method is in the docstring of jax_moe.bench.")
     parser.add_argument("--suite", choices=("permute", "stack", "parallel", "gemm", "all"), default="all")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--quick", action="store_true",
-                        help="a small subset (two models, three T; one stack model, two T), about a minute")
+                        help="a small subset (permute: two models, three T; stack and gemm: one model, two T), "
+                             "a minute or two on a GPU")
     parser.add_argument("--models", nargs="+", metavar="NAME",
                         help=f"models to run, from {', '.join(shapes.MODELS)} (default: per suite)")
     parser.add_argument("--tokens", nargs="+", metavar="T", help="token counts (default: per suite)")
