@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe.config import ROW_DTYPES
-from jax_moe.scratch import MoEScratch, buffer_shapes
+from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, MoEScratch, buffer_shapes
 
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -80,3 +80,30 @@ def check_unpermute_args(y, topk_weights, scratch) -> None:
     w_dtype = jnp.dtype(topk_weights.dtype)
     if w_dtype not in WEIGHT_DTYPES:
         raise _fail("unpermute", "topk_weights", "dtype float32 or bfloat16", w_dtype)
+
+
+def check_grouped_matmul_args(rows, weights, scratch, num_rows) -> int:
+    """Validates grouped_matmul's arguments; returns the output row count."""
+    op = "grouped_matmul"
+    check_scratch(op, scratch)
+    config = scratch.config
+    r_shape, w_shape = np.shape(rows), np.shape(weights)
+    dtypes = [str(d) for d in GROUPED_MATMUL_DTYPES]
+    if jnp.dtype(rows.dtype) not in GROUPED_MATMUL_DTYPES:
+        raise _fail(op, "rows", f"dtype in {dtypes}", jnp.dtype(rows.dtype))
+    if config.dtype not in GROUPED_MATMUL_DTYPES:
+        raise _fail(op, "scratch", f"a scratch of dtype in {dtypes} (only those reserve the GEMM's workspace)",
+                    config.dtype)
+    if len(r_shape) != 2 or r_shape[0] > config.capacity:
+        raise _fail(op, "rows", f"a rank-2 array [R, K] with R <= {config.capacity} (the scratch's R_cap)", r_shape)
+    if len(w_shape) != 3 or w_shape[0] != config.num_local_experts or w_shape[1] != r_shape[1]:
+        raise _fail(op, "weights", f"shape ({config.num_local_experts}, {r_shape[1]}, N) [El, K, N]", w_shape)
+    if jnp.dtype(weights.dtype) != jnp.dtype(rows.dtype):
+        raise _fail(op, "weights", f"rows' dtype {jnp.dtype(rows.dtype)}", jnp.dtype(weights.dtype))
+    for name, size in (("K (rows.shape[1])", r_shape[1]), ("N (weights.shape[2])", w_shape[2])):
+        if size % GROUPED_MATMUL_ALIGN or size == 0:
+            raise _fail(op, name, f"a positive multiple of {GROUPED_MATMUL_ALIGN}", size)
+    num_rows = r_shape[0] if num_rows is None else num_rows
+    if not isinstance(num_rows, (int, np.integer)) or not 1 <= num_rows <= r_shape[0]:
+        raise _fail(op, "num_rows", f"an int in [1, {r_shape[0]}] (rows.shape[0])", num_rows)
+    return int(num_rows)

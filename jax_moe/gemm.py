@@ -15,51 +15,19 @@ import numpy as np
 from jax import lax
 
 from jax_moe import _native
-from jax_moe._validate import check_scratch
+from jax_moe._validate import check_grouped_matmul_args
 from jax_moe.ops import fence_results
-from jax_moe.scratch import GROUPED_MATMUL_DTYPES, MoEScratch
+from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, MoEScratch
 
 # Tile configurations of cuda/grouped_gemm.h (GemmTile): 64-row tiles for few rows per expert
 # (decode), 128 x 256 cooperative tiles once experts average this many rows (prefill).
 SMALL_M_TILE, LARGE_M_TILE = 0, 1
 LARGE_M_MIN_ROWS_PER_EXPERT = 128
-# K and N must be multiples of this (16-byte rows for the tensor-memory accelerator).
-ALIGN_ELEMENTS = 8
-
-
-def _fail(arg: str, expected: str, actual) -> ValueError:
-    return ValueError(f"grouped_matmul: {arg}: expected {expected}, got {actual}")
-
-
-def check_grouped_matmul_args(rows, weights, scratch, num_rows) -> int:
-    """Trace-time checks; returns the output row count."""
-    check_scratch("grouped_matmul", scratch)
-    config = scratch.config
-    r_shape, w_shape = np.shape(rows), np.shape(weights)
-    if jnp.dtype(rows.dtype) not in GROUPED_MATMUL_DTYPES:
-        raise _fail("rows", f"dtype in {[str(d) for d in GROUPED_MATMUL_DTYPES]}", jnp.dtype(rows.dtype))
-    if config.dtype not in GROUPED_MATMUL_DTYPES:
-        raise _fail("scratch", f"a scratch of dtype in {[str(d) for d in GROUPED_MATMUL_DTYPES]} "
-                    "(only those reserve the GEMM's workspace)", config.dtype)
-    if len(r_shape) != 2 or r_shape[0] > config.capacity:
-        raise _fail("rows", f"a rank-2 array [R, K] with R <= {config.capacity} (the scratch's R_cap)", r_shape)
-    if len(w_shape) != 3 or w_shape[0] != config.num_local_experts or w_shape[1] != r_shape[1]:
-        raise _fail("weights", f"shape ({config.num_local_experts}, {r_shape[1]}, N) [El, K, N]", w_shape)
-    if jnp.dtype(weights.dtype) != jnp.dtype(rows.dtype):
-        raise _fail("weights", f"rows' dtype {jnp.dtype(rows.dtype)}", jnp.dtype(weights.dtype))
-    for name, size in (("K (rows.shape[1])", r_shape[1]), ("N (weights.shape[2])", w_shape[2])):
-        if size % ALIGN_ELEMENTS or size == 0:
-            raise _fail(name, f"a positive multiple of {ALIGN_ELEMENTS}", size)
-    num_rows = r_shape[0] if num_rows is None else num_rows
-    if not isinstance(num_rows, (int, np.integer)) or not 1 <= num_rows <= r_shape[0]:
-        raise _fail("num_rows", f"an int in [1, {r_shape[0]}] (rows.shape[0])", num_rows)
-    return int(num_rows)
-
 
 def supports_grouped_matmul(config, hidden_size: int, ffn_size: int) -> bool:
     """Whether the CUDA grouped GEMM can run a SwiGLU layer of these sizes for ``config``."""
     return (_native.HAS_CUDA and config.dtype in GROUPED_MATMUL_DTYPES
-            and hidden_size % ALIGN_ELEMENTS == 0 and ffn_size % ALIGN_ELEMENTS == 0)
+            and hidden_size % GROUPED_MATMUL_ALIGN == 0 and ffn_size % GROUPED_MATMUL_ALIGN == 0)
 
 
 def pick_tile(num_rows: int, num_groups: int) -> int:

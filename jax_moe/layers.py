@@ -59,6 +59,14 @@ def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size
     }
 
 
+def router_scores(router: jax.Array, x: jax.Array, config: MoEConfig) -> jax.Array:
+    """[T, E] float32 router scores: softmax over all E, or sigmoid, as ``config.scoring`` says."""
+    # Full float32 precision: on GPUs XLA's default f32 dot is TF32, whose rounding can flip the
+    # top-k choice between close experts. The [T, H] x [H, E] router GEMM is cheap either way.
+    logits = jnp.dot(x, router, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    return jax.nn.softmax(logits, axis=-1) if config.scoring == "softmax" else jax.nn.sigmoid(logits)
+
+
 def route(router: jax.Array, x: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array]:
     """Router scores -> top-k weights and ids, as ``config.scoring`` and ``config.renormalize`` say.
 
@@ -71,14 +79,16 @@ def route(router: jax.Array, x: jax.Array, config: MoEConfig) -> tuple[jax.Array
       ``(topk_weights [T, k] float32, topk_ids [T, k] int32)``: global expert ids, weights from
       softmax (over all E) or sigmoid scores, renormalised over the k chosen when configured.
     """
-    # Full float32 precision: on GPUs XLA's default f32 dot is TF32, whose rounding can flip the
-    # top-k choice between close experts. The [T, H] x [H, E] router GEMM is cheap either way.
-    logits = jnp.dot(x, router, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-    scores = jax.nn.softmax(logits, axis=-1) if config.scoring == "softmax" else jax.nn.sigmoid(logits)
-    weights, ids = lax.top_k(scores, config.top_k)
+    weights, ids = lax.top_k(router_scores(router, x, config), config.top_k)
     if config.renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, ids.astype(jnp.int32)
+
+
+def _gated_silu(hidden: jax.Array, dtype) -> jax.Array:
+    """SwiGLU's activation of the fused [R, 2F] gate/up product, in float32, cast to dtype."""
+    gate, up = jnp.split(hidden.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(dtype)
 
 
 def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -95,8 +105,7 @@ def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) 
     """
     hidden = jax.lax.ragged_dot(rows, layer_params["gate_up"].astype(rows.dtype), group_sizes,
                                 preferred_element_type=jnp.float32)
-    gate, up = jnp.split(hidden, 2, axis=-1)
-    activated = (jax.nn.silu(gate) * up).astype(rows.dtype)
+    activated = _gated_silu(hidden, rows.dtype)
     out = jax.lax.ragged_dot(activated, layer_params["down"].astype(rows.dtype), group_sizes,
                              preferred_element_type=jnp.float32)
     return out.astype(rows.dtype)
@@ -149,8 +158,7 @@ def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, num_tokens: 
     live_bound = live_row_bound(config, num_tokens)
     hidden, scratch = gemm.grouped_matmul(scratch.permuted, layer_params["gate_up"].astype(dtype), scratch,
                                           num_rows=live_bound)
-    gate, up = jnp.split(hidden.astype(jnp.float32), 2, axis=-1)
-    activated = (jax.nn.silu(gate) * up).astype(dtype)
+    activated = _gated_silu(hidden, dtype)
     out, scratch = gemm.grouped_matmul(activated, layer_params["down"].astype(dtype), scratch)
     if live_bound < config.capacity:
         out = jnp.pad(out, ((0, config.capacity - live_bound), (0, 0)))

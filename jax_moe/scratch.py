@@ -21,6 +21,9 @@ ROUTING_TILE = 1024
 # Element types of the CUDA grouped GEMM (cuda/grouped_gemm_impl.cuh): only configs of these
 # dtypes reserve room for its arguments in the workspace.
 GROUPED_MATMUL_DTYPES = (jnp.dtype(jnp.bfloat16),)
+# Its K and N must be multiples of this (16-byte rows for the tensor-memory accelerator;
+# kGemmAlignElements in cuda/grouped_gemm.h).
+GROUPED_MATMUL_ALIGN = 8
 
 
 def workspace_size(config: MoEConfig) -> int:

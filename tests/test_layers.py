@@ -57,9 +57,7 @@ def _tokens_off_ties(params, x, config, min_gap=1e-3):
     for layer in range(params["router"].shape[0]):
         p = jax.tree.map(lambda a: a[layer], params)
         normed = layers.rms_norm(h)
-        logits = jnp.dot(normed, p["router"], preferred_element_type=jnp.float32, precision="highest")
-        scores = jax.nn.softmax(logits, axis=-1) if config.scoring == "softmax" else jax.nn.sigmoid(logits)
-        probs = np.sort(np.asarray(scores), axis=-1)[:, ::-1]
+        probs = np.sort(np.asarray(layers.router_scores(p["router"], normed, config)), axis=-1)[:, ::-1]
         if config.top_k < config.num_experts:
             clear &= probs[:, config.top_k - 1] - probs[:, config.top_k] > min_gap
         h = h + baseline_moe_layer(p, normed, config)

@@ -13,9 +13,6 @@ Timing: METHOD below.
 from __future__ import annotations
 
 import functools
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -41,7 +38,9 @@ MGPU_CONFIGS = ({"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_s
 COPY_BYTES = 1 << 30
 METHOD = ("Each op runs N times inside one jitted fori_loop, its operands in the carry behind an "
           "optimisation barrier (nothing is hoisted), a scratch threaded through; time per op = "
-          "(t(N2) - t(N1)) / (N2 - N1) of median wall times, N1, N2 = %d, %d: host dispatch cancels." % REPEATS)
+          "(t(N2) - t(N1)) / (N2 - N1) of median wall times, N1, N2 = %d, %d: host dispatch cancels "
+          "(timing.per_layer_seconds: the two programs alternate after %d warm-up calls, %d-%d times)."
+          % (*REPEATS, timing.WARMUP_CALLS, timing.MIN_REPEATS, timing.MAX_REPEATS))
 NOTES = [
     "GEMM: the fused gate/up projection of one layer, [T*k, H] x [El, H, 2F], bf16 in and out, f32 "
     "accumulation; rows routed uniformly at random.",
@@ -51,7 +50,7 @@ NOTES = [
 ]
 
 
-def _timed(fn, operands, clock) -> dict:
+def _timed(fn, operands) -> dict:
     """Seconds per call of ``fn(*operands) -> (out, operands)``, by the N1/N2 in-graph difference.
 
     The operands returned are the next call's (a scratch threads through, written in place).
@@ -66,21 +65,11 @@ def _timed(fn, operands, clock) -> dict:
         return lax.fori_loop(0, n, body, (ops, jnp.float32(0)))[1]
 
     compiled = {n: jax.jit(functools.partial(program, n)).lower(operands).compile() for n in REPEATS}
-    for n in REPEATS:  # warm-up: load kernels, record command buffers
-        jax.block_until_ready(compiled[n](operands))
-    samples = {n: [] for n in REPEATS}
-    start = time.perf_counter()
-    while True:
-        for n in REPEATS:
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled[n](operands))
-            samples[n].append(time.perf_counter() - t0)
-        if len(samples[REPEATS[0]]) >= timing.MAX_REPEATS or (
-                len(samples[REPEATS[0]]) >= 3 and time.perf_counter() - start > timing.TARGET_SECONDS):
-            break
-    medians = {n: statistics.median(v) for n, v in samples.items()}
-    return {"s": (medians[REPEATS[1]] - medians[REPEATS[0]]) / (REPEATS[1] - REPEATS[0]),
-            "repeats": len(samples[REPEATS[0]])}
+    # timing.per_layer_seconds (the permute suite's harness) alternates and differences the two;
+    # the "state" it threads is just the probe scalar here: every call starts from the operands.
+    programs = {n: (lambda _state, _routing, c=compiled[n]: c(operands)) for n in REPEATS}
+    result, _ = timing.per_layer_seconds(programs, None, dict.fromkeys(REPEATS))
+    return {"s": result["per_layer_s"], "repeats": result["repeats"]}
 
 
 def _routed_scratch(config, tokens, key):
@@ -127,7 +116,7 @@ def measure_gemm(model: ModelShape, tokens: int, clock, notes) -> list[dict]:
     out = []
     for name, (fn, operands) in impls.items():
         try:
-            result = _timed(fn, operands, clock)
+            result = _timed(fn, operands)
             row = {**base, "impl": name, "us": result["s"] * 1e6, "repeats": result["repeats"]}
         except Exception as e:  # one failing implementation must not end the run
             row = {**base, "impl": name, "error": timing.describe_error(e)}
@@ -164,7 +153,7 @@ def measure_layer(model: ModelShape, tokens: int, clock) -> list[dict]:
         row = {"model": model.name, "T": tokens, "impl": name, "grouped_gemm": layers.uses_grouped_matmul(
             layer_params, config) if name == "jax_moe" else False}
         try:
-            row["us"] = _timed(fn, operands, clock)["s"] * 1e6
+            row["us"] = _timed(fn, operands)["s"] * 1e6
         except Exception as e:
             row["error"] = timing.describe_error(e)
         clock.log(f"layer {model.name} T={tokens} {name}: {row.get('us', row.get('error'))}")
@@ -176,7 +165,7 @@ def copy_ceiling_gbs(clock) -> float | None:
     from jax_moe.bench.permute_suite import _bench_copy
     try:
         buffer = jnp.ones((COPY_BYTES // 2,), jnp.bfloat16)
-        seconds = _timed(lambda b: (_bench_copy(b), (b,)), (buffer,), clock)["s"]
+        seconds = _timed(lambda b: (_bench_copy(b), (b,)), (buffer,))["s"]
         return 2 * COPY_BYTES / seconds / 1e9
     except Exception as e:
         clock.log(f"copy ceiling: {timing.describe_error(e)}")
