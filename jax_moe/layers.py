@@ -189,6 +189,20 @@ def experts_on_scratch(expert_fn: ExpertFn, layer_params, scratch: MoEScratch, n
     return out
 
 
+def run_experts(expert_fn: ExpertFn | None, layer_params: dict, scratch: MoEScratch,
+                num_tokens: int) -> tuple[jax.Array, MoEScratch]:
+    """The experts on a permuted scratch: ``(rows_out [R_cap, H] for unpermute, scratch)``.
+
+    ``expert_fn`` None is SwiGLU: on the CUDA grouped GEMM where ``uses_grouped_matmul`` says so
+    (GPU, bf16, aligned sizes), else on ``jax.lax.ragged_dot``. Both the single-device layer and
+    the expert-parallel one (on its received rows) come through here.
+    """
+    if expert_fn is None and uses_grouped_matmul(layer_params, scratch.config):
+        return swiglu_experts_grouped(layer_params, scratch, num_tokens)
+    expert_fn = swiglu_experts if expert_fn is None else expert_fn
+    return experts_on_scratch(expert_fn, layer_params, scratch, num_tokens), scratch
+
+
 def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
               expert_fn: ExpertFn | None = None, *, mesh=None, axis_name: str | None = None):
     """One MoE layer: route, ``permute`` into the scratch, grouped experts, ``unpermute``.
@@ -221,18 +235,13 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
                          f"got {type(scratch).__name__}")
     config = scratch.config
     check_layer_params("moe_layer", layer_params, config, stacked=False)
-    grouped = expert_fn is None and uses_grouped_matmul(layer_params, config)
-    expert_fn = swiglu_experts if expert_fn is None else expert_fn
     weights, ids = route(layer_params["router"], x, config)
     # The scratch is state, not a differentiable value: stopping its gradient on the way in and
     # out keeps it out of autodiff entirely (otherwise custom_vjp instantiates a zero [R_cap, H]
     # tangent for it and a scanned stack carries that tangent through every layer). It lowers to
     # nothing, so the buffers still flow straight from one aliased call to the next.
     scratch = permute(x, ids, lax.stop_gradient(scratch))
-    if grouped:
-        rows_out, scratch = swiglu_experts_grouped(layer_params, scratch, x.shape[0])
-    else:
-        rows_out = experts_on_scratch(expert_fn, layer_params, scratch, x.shape[0])
+    rows_out, scratch = run_experts(expert_fn, layer_params, scratch, x.shape[0])
     y = unpermute(rows_out, weights, scratch)
     return y, lax.stop_gradient(scratch)
 

@@ -20,9 +20,9 @@ per-peer capacity):
 3. ``lax.all_to_all`` the rows and their local expert ids (-1 for empty slots): each device now
    holds the n*C rows sent to it, C from each peer;
 4. ``jax_moe.permute`` the received rows by local expert into the device's scratch (one route per
-   row, top_k = 1; empty slots carry id -1 and are dropped), run the experts (``ragged_dot`` over
-   ``group_sizes``), and ``jax_moe.unpermute`` them back to the received-slot order (weights 1:
-   exact);
+   row, top_k = 1; empty slots carry id -1 and are dropped), run the experts (as ``moe_layer``
+   does: the CUDA grouped GEMM on a GPU with bf16, else ``ragged_dot`` over ``group_sizes``), and
+   ``jax_moe.unpermute`` them back to the received-slot order (weights 1: exact);
 5. ``lax.all_to_all`` back, so each route's expert output returns to the slot it left from;
 6. combine per token: ``out[t] = sum over kept j of w[t, j] * back[slot(t, j)]``, the same native
    unpermute (float32, ascending j) the single-device layer uses, with overflowed routes dropped.
@@ -57,7 +57,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_moe._validate import _fail
 from jax_moe.config import MoEConfig
-from jax_moe.layers import ExpertFn, experts_on_scratch, check_layer_params, rms_norm, route, swiglu_experts
+from jax_moe.layers import ExpertFn, check_layer_params, rms_norm, route, run_experts
 from jax_moe.ops import permute, unpermute, unpermute_by_dest
 from jax_moe.scratch import BUFFER_NAMES, MoEScratch, buffer_shapes, init_scratch
 
@@ -126,9 +126,16 @@ def peer_capacity(config: MoEConfig, num_devices: int, tokens_per_device: int,
 
 
 def local_config(config: MoEConfig, num_devices: int, capacity: int) -> MoEConfig:
-    """The per-device receive-side config: El local experts, one route per received row, n*C rows."""
-    return dataclasses.replace(config, num_experts=config.num_experts // num_devices, top_k=1,
-                               max_tokens=num_devices * capacity, expert_map=None)
+    """The per-device receive-side config: El local experts, one route per received row, n*C rows.
+
+    Its expert map is the explicit identity over the El local ids, not None: with None, permute
+    hands its custom call an empty map operand, and inside a shard_map over 2+ GPUs that crashes
+    jaxlib 0.11.2's compiler (a segfault in Shardy's ManualComputationUnusedInputsPattern,
+    found on two H200s). The identity map gives the same result.
+    """
+    local = config.num_experts // num_devices
+    return dataclasses.replace(config, num_experts=local, top_k=1, max_tokens=num_devices * capacity,
+                               expert_map=tuple(range(local)))
 
 
 # --- the sharded scratch --------------------------------------------------------------------------
@@ -296,7 +303,7 @@ def _dispatch_plan(ids: jax.Array, slots: jax.Array, num_local: int, num_devices
 
 def _local_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch, *, config: MoEConfig,
                  slots: jax.Array, num_devices: int, capacity: int, axis_name: str,
-                 expert_fn: ExpertFn, exchange: Exchange) -> tuple[jax.Array, MoEScratch, jax.Array]:
+                 expert_fn: ExpertFn | None, exchange: Exchange) -> tuple[jax.Array, MoEScratch, jax.Array]:
     """One expert-parallel layer as one device sees it inside ``shard_map``.
 
     Args:
@@ -322,7 +329,7 @@ def _local_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch, *, confi
 
     # The single-device layer on the received rows: one route per row, weights 1 (exact).
     scratch = permute(recv_rows, recv_ids, lax.stop_gradient(scratch))
-    rows_out = experts_on_scratch(expert_fn, layer_params, scratch, recv_rows.shape[0])
+    rows_out, scratch = run_experts(expert_fn, layer_params, scratch, recv_rows.shape[0])
     recv_out = unpermute(rows_out, jnp.ones((recv_rows.shape[0], 1), jnp.float32), scratch)
 
     back = exchange(recv_out.reshape(num_devices, capacity, hidden), axis_name).reshape(-1, hidden)
@@ -397,7 +404,6 @@ def _placed(tree, mesh, specs, axis_name):
 def _run(op, params, x, scratch, mesh, axis_name, expert_fn, exchange, stacked, unroll):
     num_devices, capacity = _check_call(op, params, x, scratch, mesh, axis_name, stacked)
     config = scratch.config
-    expert_fn = swiglu_experts if expert_fn is None else expert_fn
     slots = placement_array(scratch.placement, config.num_experts)
     layer = dict(config=config, num_devices=num_devices, capacity=capacity, axis_name=axis_name,
                  expert_fn=expert_fn, exchange=exchange)
@@ -445,7 +451,7 @@ def moe_layer_ep(layer_params: dict, x: jax.Array, scratch: ExpertParallelScratc
         mesh axes, if any, replicate the computation.
       expert_fn: as in ``moe_layer``, applied per device to its El local experts: it gets
         ``{"router", "gate_up" [El, H, 2F], "down" [El, F, H]}`` (only these three params are passed
-        into the ``shard_map``). None: ``swiglu_experts``.
+        into the ``shard_map``). None: SwiGLU, as ``moe_layer`` runs it (``layers.run_experts``).
 
     Returns:
       ``(y, scratch, dropped)``: y [T, H] x's dtype, sharded over the axis like x; the scratch to

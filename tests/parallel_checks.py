@@ -1,4 +1,4 @@
-"""Checks of jax_moe.parallel on 8 host CPU devices, run in a subprocess by tests/test_parallel.py.
+"""Checks of jax_moe.parallel on 8 host CPU devices, or on every GPU (``--gpu``), in a subprocess.
 
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` only works if it is set before JAX starts,
 which a pytest process that already ran other tests cannot do; so this script sets it, runs the
@@ -6,21 +6,27 @@ checks named on its command line (all by default) in one process, and prints one
 check: ``{"name": ..., "ok": bool, "detail": str, "seconds": float}``. It always exits 0 after
 running every check (a failing check is reported, not raised), 2 on a usage error.
 
-    python tests/parallel_checks.py [--list] [NAME ...]
+With ``--gpu`` it runs ``gpu_checks(n)`` instead on a mesh of all the GPUs JAX sees (at least 2),
+the single-device oracle on the first: the same checks at n = the GPU count, plus the bf16 stack
+on the CUDA grouped GEMM. tests/test_parallel.py starts it when a process sees 2+ GPUs.
+
+    python tests/parallel_checks.py [--gpu] [--list] [NAME ...]
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ON_GPU = "--gpu" in sys.argv[1:]
+if not ON_GPU:
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -139,9 +145,8 @@ def check_equal(num_devices, placement_seed=None, explicit=False, num_tokens=Non
     return f"max |diff| {diff:.3g}"
 
 
-def check_layer_equal():
-    """moe_layer_ep equals moe_layer, non-contiguous placement, 4-way."""
-    num_devices = 4
+def check_layer_equal(num_devices):
+    """moe_layer_ep equals moe_layer, non-contiguous placement."""
     config = config_for(num_devices)
     params, x = inputs(config, config.max_tokens, seed=3)
     layer = jax.tree.map(lambda a: a[0], params)
@@ -227,19 +232,20 @@ def check_grad(num_devices, placement_seed, capacity_factor=None):
     return "ok"
 
 
-_COPY = re.compile(r"=\s*(\w+\[[\d,]*\])(?:\{[^}]*\})?\s+(copy|copy-start)\(")
+# A copy of a scratch-shaped value; a copy of a fresh broadcast (a dispatch-plan buffer that happens
+# to share a scratch buffer's shape) cannot be a scratch copy.
+_COPY = re.compile(r"=\s*(\w+\[[\d,]*\])(?:\{[^}]*\})?\s+(copy|copy-start)\((?!%?\w*broadcast)")
 
 
-def check_no_scratch_copies():
+def check_no_scratch_copies(num_devices, dtype=jnp.float32, align=4, custom_call="jax_moe_permute"):
     """Donated sharded stack (inference and training): every scratch buffer aliased, none copied."""
-    num_devices = 8
     # align 4 makes the receive capacity (n*C + El*3, rounded to 4) differ from the n*C received rows.
-    config = config_for(num_devices, align=4)
+    config = config_for(num_devices, dtype, align=align)
     params, x = inputs(config, config.max_tokens)
     mesh, placement = mesh_for(num_devices), random_placement(1)
     scratch = ep.init_scratch_ep(config, mesh, AXIS, placement=placement)
     sharded = ep.shard_params(params, mesh, AXIS, placement=placement)
-    names = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.int32): "s32"}
+    names = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.int32): "s32", jnp.dtype(jnp.bfloat16): "bf16"}
     scratch_types = {}
     for name in BUFFER_NAMES:
         shape = getattr(scratch.local, name).shape
@@ -259,7 +265,7 @@ def check_no_scratch_copies():
     def scratch_copies(fn, donate):
         compiled = jax.jit(fn, donate_argnums=donate).lower(sharded, x, scratch).compile()
         text = compiled.as_text()
-        assert "jax_moe_permute" in text and "all-to-all" in text
+        assert custom_call in text and "all-to-all" in text, custom_call
         copies = [line.strip()[:160] for line in text.splitlines()
                   if (m := _COPY.search(line)) and m.group(1) in scratch_types]
         return copies, compiled.memory_analysis().alias_size_in_bytes
@@ -324,16 +330,17 @@ def check_errors():
     return "ok"
 
 
-def check_bench_suite():
-    """The parallel benchmark suite runs on 8 devices: every case timed, shares derived."""
+def check_bench_suite(num_devices):
+    """The parallel benchmark suite runs on all devices: every case timed, shares derived."""
     from jax_moe.bench import parallel_suite, timing
     from jax_moe.bench.models import MODELS
     rows, notes = parallel_suite.run([MODELS["tiny"]], (2,), timing.Clock(), compile_threads=2, layer_counts=(1, 2))
     errors = [r["error"] for r in rows if "error" in r]
     assert not errors, errors
-    assert {r["devices"] for r in rows} == {8}
+    assert {r["devices"] for r in rows} == {num_devices}
     ep_rows = [r for r in rows if r["case"] == "ep"]
-    assert len(ep_rows) == len(parallel_suite.CAPACITY_FACTORS) and all("collectives_us" in r for r in ep_rows)
+    capacities = parallel_suite.distinct_capacities(MODELS["tiny"].config(2 * num_devices), num_devices, 2)
+    assert [r["capacity"] for r in ep_rows] == list(capacities) and all("collectives_us" in r for r in ep_rows)
     return "; ".join(f"{r['capacity']}: {r['us_per_layer']:.0f} us/layer, collectives {r['collectives_us']:.0f}"
                      for r in ep_rows)
 
@@ -344,33 +351,77 @@ CHECKS = {
     "equal_8way_noncontiguous_explicit_mesh": lambda: check_equal(8, placement_seed=1, explicit=True),
     "equal_8way_fewer_tokens_unrolled": lambda: check_equal(8, placement_seed=2, num_tokens=16, unroll=True),
     "equal_8way_bf16_align8": lambda: check_equal(8, placement_seed=9, dtype=jnp.bfloat16, align=8),
-    "layer_equal_4way": check_layer_equal,
+    "layer_equal_4way": lambda: check_layer_equal(4),
     "placement_is_an_expert_map": check_placement_is_an_expert_map,
     "overflow_4way": lambda: check_overflow(4, 1.0, placement_seed=3),
     "overflow_8way_capacity_1": lambda: check_overflow(8, 0.5, placement_seed=4),
     "grad_4way_noncontiguous": lambda: check_grad(4, placement_seed=6),
     "grad_8way_overflow": lambda: check_grad(8, placement_seed=8, capacity_factor=0.5),
-    "no_scratch_copies_8way": check_no_scratch_copies,
+    "no_scratch_copies_8way": lambda: check_no_scratch_copies(8),
     "errors": check_errors,
-    "bench_suite_8way": check_bench_suite,
+    "bench_suite_8way": lambda: check_bench_suite(8),
 }
 
 
+def check_grouped_gemm_in_use(num_devices):
+    """On GPUs the sharded bf16 stack runs its experts on the CUDA grouped GEMM, as moe_stack does."""
+    from jax_moe import _native
+    config = config_for(num_devices, jnp.bfloat16, align=8)
+    params, x = inputs(config, config.max_tokens)
+    mesh = mesh_for(num_devices)
+    scratch = ep.init_scratch_ep(config, mesh, AXIS)
+    text = jax.jit(lambda p, h, s: ep.moe_stack_ep(p, h, s, mesh=mesh, axis_name=AXIS)).lower(
+        ep.shard_params(params, mesh, AXIS), x, scratch).compile().as_text()
+    calls = text.count(f"custom_call_target=\"{_native.GROUPED_MATMUL_TARGET}\"")
+    assert calls == 2, f"{calls} grouped GEMM calls in the compiled stack (expected 2: gate/up, down)"
+    return f"{calls} grouped GEMM custom calls per layer body"
+
+
+def gpu_checks(n: int) -> dict:
+    """The checks for n GPUs. f32 ones run at full f32 precision (XLA:GPU's default f32 dot is TF32)."""
+    def full_f32(check):
+        def run():
+            with jax.default_matmul_precision("highest"):
+                return check()
+        return run
+
+    return {
+        "equal_f32_noncontiguous": full_f32(lambda: check_equal(n, placement_seed=0)),
+        "equal_f32_fewer_tokens_unrolled": full_f32(lambda: check_equal(n, placement_seed=2, num_tokens=n,
+                                                                        unroll=True)),
+        "equal_bf16_grouped_gemm_align8": lambda: check_equal(n, placement_seed=9, dtype=jnp.bfloat16, align=8),
+        "grouped_gemm_in_use": lambda: check_grouped_gemm_in_use(n),
+        "layer_equal": full_f32(lambda: check_layer_equal(n)),
+        "overflow": full_f32(lambda: check_overflow(n, 0.5, placement_seed=4)),
+        "grad_noncontiguous": full_f32(lambda: check_grad(n, placement_seed=6)),
+        "grad_overflow": full_f32(lambda: check_grad(n, placement_seed=8, capacity_factor=0.5)),
+        "no_scratch_copies_f32": lambda: check_no_scratch_copies(n),
+        "no_scratch_copies_bf16_grouped_gemm": lambda: check_no_scratch_copies(
+            n, jnp.bfloat16, align=8, custom_call="jax_moe_grouped_matmul"),
+        "bench_suite": lambda: check_bench_suite(n),
+    }
+
+
 def main(argv: list[str]) -> int:
+    argv = [a for a in argv if a != "--gpu"]
+    checks = gpu_checks(jax.device_count()) if ON_GPU else CHECKS
     if "--list" in argv:
-        print("\n".join(CHECKS))
+        print("\n".join(checks))
         return 0
-    names = argv or list(CHECKS)
-    unknown = [n for n in names if n not in CHECKS]
+    names = argv or list(checks)
+    unknown = [n for n in names if n not in checks]
     if unknown:
-        print(f"unknown checks {unknown}; known: {list(CHECKS)}", file=sys.stderr)
+        print(f"unknown checks {unknown}; known: {list(checks)}", file=sys.stderr)
         return 2
-    assert jax.device_count() == 8, jax.devices()
+    if ON_GPU:
+        assert jax.default_backend() == "gpu" and jax.device_count() >= 2, jax.devices()
+    else:
+        assert jax.device_count() == 8, jax.devices()
     for name in names:
         start = time.perf_counter()
         try:
             with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON lines only
-                detail, ok = CHECKS[name](), True
+                detail, ok = checks[name](), True
         except Exception:  # reported per check, so one failure does not hide the others
             detail, ok = traceback.format_exc(limit=6), False
         print(json.dumps({"name": name, "ok": ok, "detail": str(detail),

@@ -1,9 +1,10 @@
-"""Expert parallelism (issue 6): jax_moe.parallel on 8 CPU devices, and on this process's one.
+"""Expert parallelism (issues 6, 7): jax_moe.parallel on 8 CPU devices, on 2+ GPUs, and on one device.
 
 The 8-device checks live in tests/parallel_checks.py and run in ONE subprocess (started once per
 session by the ``eight_devices`` fixture): ``--xla_force_host_platform_device_count`` only takes
 effect before JAX starts, which this pytest process has long done. Each check is reported here as
-its own test. The rest runs in-process on a one-device mesh.
+its own test. With 2+ GPUs the GPU checks run the same way (``--gpu``, the ``all_gpus`` fixture),
+on a mesh of every GPU. The rest runs in-process on a one-device mesh.
 """
 
 from __future__ import annotations
@@ -46,11 +47,25 @@ EIGHT_DEVICE_CHECKS = (
 SUBPROCESS_TIMEOUT_S = 900
 
 
-@pytest.fixture(scope="session")
-def eight_devices() -> dict[str, dict]:
-    """Runs every check of tests/parallel_checks.py on 8 host CPU devices; name -> its JSON result."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, str(CHECKS_SCRIPT)], env=env, capture_output=True, text=True,
+# The same checks at n = the GPU count (tests/parallel_checks.py gpu_checks), with --gpu.
+GPU_CHECKS = (
+    "equal_f32_noncontiguous",
+    "equal_f32_fewer_tokens_unrolled",
+    "equal_bf16_grouped_gemm_align8",
+    "grouped_gemm_in_use",
+    "layer_equal",
+    "overflow",
+    "grad_noncontiguous",
+    "grad_overflow",
+    "no_scratch_copies_f32",
+    "no_scratch_copies_bf16_grouped_gemm",
+    "bench_suite",
+)
+
+
+def run_checks(*flags: str, env: dict) -> dict[str, dict]:
+    """Runs tests/parallel_checks.py in a fresh process; check name -> its JSON result."""
+    proc = subprocess.run([sys.executable, str(CHECKS_SCRIPT), *flags], env=env, capture_output=True, text=True,
                           timeout=SUBPROCESS_TIMEOUT_S, cwd=CHECKS_SCRIPT.parent.parent)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     results = {}
@@ -61,6 +76,23 @@ def eight_devices() -> dict[str, dict]:
     return results
 
 
+@pytest.fixture(scope="session")
+def eight_devices() -> dict[str, dict]:
+    """Runs every check of tests/parallel_checks.py on 8 host CPU devices; name -> its JSON result."""
+    return run_checks(env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+@pytest.fixture(scope="session")
+def all_gpus() -> dict[str, dict]:
+    """Runs the GPU checks on a mesh of every GPU; skips with fewer than 2."""
+    count = len(jax.devices("gpu"))  # only reached on a GPU (the marker skips the rest)
+    if count < 2:
+        pytest.skip(f"needs 2 or more CUDA devices, JAX sees {count}")
+    # The child holds its own GPU memory next to this process: no preallocated pool there.
+    env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
+    return run_checks("--gpu", env={**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+
+
 def test_every_eight_device_check_ran(eight_devices):
     assert set(eight_devices) == set(EIGHT_DEVICE_CHECKS)
 
@@ -68,6 +100,19 @@ def test_every_eight_device_check_ran(eight_devices):
 @pytest.mark.parametrize("name", EIGHT_DEVICE_CHECKS)
 def test_eight_devices(eight_devices, name):
     result = eight_devices.get(name)
+    assert result is not None, f"check {name} did not report"
+    assert result["ok"], result["detail"]
+
+
+@pytest.mark.gpu
+def test_every_gpu_check_ran(all_gpus):
+    assert set(all_gpus) == set(GPU_CHECKS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_CHECKS)
+def test_all_gpus(all_gpus, name):
+    result = all_gpus.get(name)
     assert result is not None, f"check {name} did not report"
     assert result["ok"], result["detail"]
 
@@ -148,7 +193,11 @@ def test_bad_arguments_raise_value_errors_at_trace_time():
 def test_parallel_bench_suite_on_one_device(tmp_path):
     rows, notes = parallel_suite.run([MODELS["tiny"]], (2,), timing.Clock(), compile_threads=2, layer_counts=(1, 2))
     assert not [r for r in rows if "error" in r], [r["error"] for r in rows if "error" in r]
-    assert {(r["case"], r["capacity"]) for r in rows} == {(c.name, c.capacity or "-") for c in parallel_suite.cases()}
+    # One device, T=2, k=2: cf=2's C (ceil(2*2*2/1) capped at 2*min(k, E)) is no-drop's, so it is not rerun.
+    capacities = parallel_suite.distinct_capacities(MODELS["tiny"].config(2), 1, 2)
+    assert capacities == ("no-drop",)
+    assert {(r["case"], r["capacity"]) for r in rows} == {(c.name, c.capacity or "-")
+                                                          for c in parallel_suite.cases(capacities)}
     assert any("ragged_all_to_all" in n for n in notes)
     for row in rows:
         if row["case"] == "ep":
