@@ -9,13 +9,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 stage() { echo "== $1 ($(date +%T))"; }
 
 stage build
-# No network there: the CUTLASS headers come from a carried wheel (.whl/, see README).
-if ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --no-index .whl/nvidia_cutlass-*.whl >"$OUT/cutlass_install.log" 2>&1
-fi
-python3 -m pip install --no-build-isolation --no-deps -e . -Ccmake.define.JAX_MOE_CUDA=ON >"$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; exit 1; }
-python3 -c "import jax, jax_moe._native as n; print(jax.devices(), 'cpu', n.HAS_CPU, 'cuda', n.HAS_CUDA)"
+source tests/gpu_build.sh "$OUT"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   stage "gpu tests"

@@ -126,6 +126,7 @@ def test_gemm_suite_measures_each_implementation_and_the_layer(monkeypatch):
     # 64 tokens, not fewer: the per-op time is a difference of two programs' wall times, and an
     # op of a few µs can drown in a loaded CPU's noise (seen once at 4 tokens).
     monkeypatch.setattr(gemm_suite, "LAYER_TOKENS", (64,))
+    monkeypatch.setattr(gemm_suite, "GRAD_TOKENS", (64,))
     rows, notes = gemm_suite.run([TINY], (64,), timing.Clock(), compile_threads=1)
     gemm_rows = {r["impl"]: r for r in rows if "flops" in r}
     # Pallas Mosaic GPU does not run on CPU: its failure is a note, not a row.
@@ -134,10 +135,24 @@ def test_gemm_suite_measures_each_implementation_and_the_layer(monkeypatch):
         assert row["us"] > 0 and _close(row["tflops"], row["flops"] / row["us"] / 1e6)
         assert row["flops"] == 2 * 64 * TINY.top_k * TINY.hidden_size * 2 * TINY.ffn_size
     layer = {r["impl"]: r for r in rows if "flops" not in r}
-    assert set(layer) == {"jax_moe", "baseline"} and all(r["us"] > 0 for r in layer.values())
+    assert set(layer) == {"jax_moe", "baseline", "jax_moe/fwd+bwd", "baseline/fwd+bwd"}
+    assert all(r["us"] > 0 for r in layer.values()), layer
     assert any(n.startswith("copy ceiling") for n in notes)
     text = gemm_suite.table(rows)
-    assert "| tiny | 64 |" in text and "Whole MoE layer" in text
+    assert "| tiny | 64 |" in text and "Whole MoE layer" in text and "fwd+bwd" in text
+    assert f"| {layer['jax_moe/fwd+bwd']['us']:.0f} |" in text
+
+
+def test_gemm_suite_notes_a_failing_shape_and_goes_on(monkeypatch):
+    def measure_gemm(model, tokens, clock, notes):
+        if tokens == 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return [{"model": model.name, "T": tokens, "impl": "jax_moe", "flops": 1, "us": 1.0}]
+    monkeypatch.setattr(gemm_suite, "measure_gemm", measure_gemm)
+    monkeypatch.setattr(gemm_suite, "copy_ceiling_gbs", lambda clock: None)
+    rows, notes = gemm_suite.run([TINY], (2, 3), timing.Clock(), compile_threads=1)
+    assert [r["T"] for r in rows] == [3]
+    assert any("gemm tiny T=2: failed" in n and "out of memory" in n for n in notes), notes
 
 
 def test_stack_suite_runs_and_compares_to_baseline():
@@ -179,7 +194,7 @@ def test_cli_selection():
     quick = cli.parse_args(["--quick"])
     models, tokens = cli._selection(quick, (), (), ("qwen3_30b",), (1, 16))
     assert [m.name for m in models] == ["qwen3_30b"] and tokens == (1, 16)
-    assert quick.layers == permute_suite.LAYER_COUNTS
+    assert quick.layers is None  # each suite then takes its own default (permute_suite.LAYER_COUNTS, ...)
     for bad in (["--models", "gpt5"], ["--layers", "3", "3"]):
         with pytest.raises(SystemExit):
             cli.parse_args(bad)

@@ -176,6 +176,22 @@ def test_gpu_edge_cases_match_ragged_dot(case):
     _check(scratch.permuted, w, scratch, num_rows=layers.live_row_bound(config, num_tokens))
 
 
+# K and N off the tiles' multiples: the 128 x 256 tile's 1x2 cluster has an odd count of N tiles
+# (768 = 3 tiles, 264 = 2 with a partial one), the K tail is partial (264), and N = 8 is one column
+# group. Each on the small tile (T=16) and the large one (T=2048: 512 rows per expert).
+ODD_TILE_SHAPES = [(512, 768), (264, 264), (256, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [16, 2048], ids=["small-tile", "large-tile"])
+@pytest.mark.parametrize("k,n", ODD_TILE_SHAPES, ids=[f"K{k}-N{n}" for k, n in ODD_TILE_SHAPES])
+def test_gpu_partial_tiles_match_ragged_dot(k, n, num_tokens):
+    config = MoEConfig(num_experts=8, top_k=2, hidden_size=k, max_tokens=num_tokens, dtype=BF16)
+    scratch = _routed(config, num_tokens)
+    assert gemm.pick_tile(config.capacity, 8) == (gemm.LARGE_M_TILE if num_tokens > 16 else gemm.SMALL_M_TILE)
+    _check(scratch.permuted, _weights(8, k, n), scratch)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [16, 2048], ids=["small-tile", "large-tile"])
 def test_gpu_repeat_runs_are_bitwise_equal(num_tokens):

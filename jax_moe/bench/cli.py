@@ -37,8 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"models to run, from {', '.join(shapes.MODELS)} (default: per suite)")
     parser.add_argument("--tokens", nargs="+", metavar="T", help="token counts (default: per suite)")
     parser.add_argument("--layers", nargs=2, type=int, metavar=("L1", "L2"), default=None,
-                        help="permute suite: the two scan lengths of the per-layer difference "
-                             "(default %d %d)" % permute_suite.LAYER_COUNTS)
+                        help="permute and parallel suites: the two scan lengths of the per-layer "
+                             "difference (default %d %d and %d %d)" % (*permute_suite.LAYER_COUNTS,
+                                                                       *parallel_suite.LAYER_COUNTS))
     parser.add_argument("--compile-threads", type=int, default=min(8, os.cpu_count() or 1),
                         help="programs compiled concurrently (default min(8, CPUs))")
     parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
@@ -49,9 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [m for m in args.models or () if m not in shapes.MODELS]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; known: {list(shapes.MODELS)}")
-    args.layers = tuple(args.layers) if args.layers else permute_suite.LAYER_COUNTS
-    if not 1 <= args.layers[0] < args.layers[1]:
-        parser.error(f"--layers: expected 1 <= L1 < L2, got {args.layers}")
+    if args.layers is not None:
+        args.layers = tuple(args.layers)
+        if not 1 <= args.layers[0] < args.layers[1]:
+            parser.error(f"--layers: expected 1 <= L1 < L2, got {args.layers}")
     return args
 
 
@@ -90,12 +92,13 @@ def main(argv=None) -> dict:
     if args.suite in ("permute", "all"):
         models, tokens = _selection(args, shapes.PERMUTE_MODELS, shapes.PERMUTE_TOKENS,
                                     shapes.QUICK_PERMUTE_MODELS, shapes.QUICK_PERMUTE_TOKENS)
+        layer_counts = args.layers or permute_suite.LAYER_COUNTS
         records["permute"] = _run_suite(
             "permute",
             functools.partial(permute_suite.run, models, tokens, clock, args.compile_threads,
-                              layer_counts=args.layers, time_limit_s=args.time_limit),
+                              layer_counts=layer_counts, time_limit_s=args.time_limit),
             report.permute_markdown,
-            {"method": timing.PER_LAYER_METHOD, "layer_counts": list(args.layers),
+            {"method": timing.PER_LAYER_METHOD, "layer_counts": list(layer_counts),
              "bytes_formula": permute_suite.BYTES_FORMULA},
             out_dir, clock, env)
 
@@ -112,11 +115,12 @@ def main(argv=None) -> dict:
         models, tokens = _selection(args, parallel_suite.MODELS, parallel_suite.TOKENS,
                                     parallel_suite.QUICK_MODELS, parallel_suite.QUICK_TOKENS)
         found = parallel_suite.facts()
+        layer_counts = args.layers or parallel_suite.LAYER_COUNTS
         records["parallel"] = _run_suite(
             "parallel",
             functools.partial(parallel_suite.run, models, tokens, clock, args.compile_threads,
-                              layer_counts=args.layers, time_limit_s=args.time_limit, found=found),
-            parallel_suite.markdown, {"method": timing.PER_LAYER_METHOD, "layer_counts": list(args.layers),
+                              layer_counts=layer_counts, time_limit_s=args.time_limit, found=found),
+            parallel_suite.markdown, {"method": timing.PER_LAYER_METHOD, "layer_counts": list(layer_counts),
                                       "facts": found}, out_dir, clock, env)
 
     if args.suite in ("gemm", "all"):

@@ -27,6 +27,10 @@ TOKENS = (1, 16, 128, 1024, 4096, 16384)
 QUICK_MODELS = ("qwen3_30b",)
 QUICK_TOKENS = (16, 4096)
 LAYER_TOKENS = (1, 1024, 4096)  # the whole-layer comparison
+# Forward + backward of the layer: both sides' backward GEMMs are ragged_dot, which takes seconds
+# per call at E=256 and up, so only the models with at most this many experts.
+GRAD_TOKENS = (1024,)
+GRAD_MAX_EXPERTS = 128
 REPEATS = (1, 4)  # N1, N2
 # ragged_dot is skipped where it takes seconds per call (issue 8 measured 157 ms for DeepSeek-V3 at
 # 8192 rows): the suite would spend its device time there.
@@ -46,7 +50,8 @@ NOTES = [
     "accumulation; rows routed uniformly at random.",
     "weight GB/s: bytes of the experts that own at least one row / time; copy: jax_moe_bench_copy "
     "of 1 GiB, (read + write bytes) / time.",
-    "jax_moe: gradients (not timed here) use jax.lax.ragged_dot for the two backward GEMMs.",
+    "jax_moe: the backward pass uses jax.lax.ragged_dot for its two GEMMs per projection (as the "
+    "baseline does); 'fwd+bwd' times value_and_grad of sum(y) with respect to the params and x.",
 ]
 
 
@@ -146,12 +151,26 @@ def measure_layer(model: ModelShape, tokens: int, clock) -> list[dict]:
         y, s = jax_moe.moe_layer(p, x, s)
         return y, (p, x, s)
 
-    impls = {"jax_moe": (ours, (layer_params, x, scratch)),
-             "baseline": (lambda p, x: (baseline.baseline_moe_layer(p, x, config), (p, x)), (layer_params, x))}
+    def base(p, x):
+        return baseline.baseline_moe_layer(p, x, config), (p, x)
+
+    def with_grad(layer):  # layer(p, x, *rest) -> (y, (p, x, *rest)); d sum(y) / d (p, x) instead of y
+        def fn(p, x, *rest):
+            def loss(p, x):
+                y, operands = layer(p, x, *rest)
+                return jnp.sum(y.astype(jnp.float32)), operands
+            (_, operands), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, x)
+            return grads, operands
+        return fn
+
+    impls = {"jax_moe": (ours, (layer_params, x, scratch)), "baseline": (base, (layer_params, x))}
+    if tokens in GRAD_TOKENS and config.num_experts <= GRAD_MAX_EXPERTS:
+        impls["jax_moe/fwd+bwd"] = (with_grad(ours), (layer_params, x, scratch))
+        impls["baseline/fwd+bwd"] = (with_grad(base), (layer_params, x))
     rows = []
     for name, (fn, operands) in impls.items():
         row = {"model": model.name, "T": tokens, "impl": name, "grouped_gemm": layers.uses_grouped_matmul(
-            layer_params, config) if name == "jax_moe" else False}
+            layer_params, config) if name.startswith("jax_moe") else False}
         try:
             row["us"] = _timed(fn, operands)["s"] * 1e6
         except Exception as e:
@@ -178,19 +197,26 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_
     copy = copy_ceiling_gbs(clock)
     notes.append(f"copy ceiling: {copy:.0f} GB/s" if copy else "copy ceiling: not measured")
     rows = []
+
+    def isolated(what, measure):  # one shape failing (e.g. out of memory) must not end the run
+        try:
+            rows.extend(measure())
+        except Exception as e:
+            notes.append(f"{what}: failed: {timing.describe_error(e)}")
+            clock.log(notes[-1])
+        if on_rows:
+            on_rows(rows, notes)
+
     for model in models:
         for tokens in token_counts:
             if clock.out_of_time(time_limit_s, notes, f"gemm {model.name} T={tokens}"):
                 break
-            rows.extend(r | {"copy_gbs": copy} for r in measure_gemm(model, tokens, clock, notes))
-            if on_rows:
-                on_rows(rows, notes)
+            isolated(f"gemm {model.name} T={tokens}",
+                     lambda: [r | {"copy_gbs": copy} for r in measure_gemm(model, tokens, clock, notes)])
         for tokens in LAYER_TOKENS:
             if tokens not in token_counts or clock.out_of_time(time_limit_s, notes, f"layer {model.name} T={tokens}"):
                 continue
-            rows.extend(measure_layer(model, tokens, clock))
-            if on_rows:
-                on_rows(rows, notes)
+            isolated(f"layer {model.name} T={tokens}", lambda: measure_layer(model, tokens, clock))
     return rows, notes
 
 
@@ -213,13 +239,17 @@ def table(rows: list[dict]) -> str:
     lines = []
     for model, tokens in sorted({(r["model"], r["T"]) for r in layer_rows}):
         by = {r["impl"]: r for r in layer_rows if (r["model"], r["T"]) == (model, tokens)}
-        ours, base = by.get("jax_moe", {}), by.get("baseline", {})
-        speedup = f"{base['us'] / ours['us']:.1f}x" if "us" in ours and "us" in base else "–"
-        lines.append([model, str(tokens), f"{ours.get('us', float('nan')):.0f}", f"{base.get('us', float('nan')):.0f}",
-                      speedup])
+        line = [model, str(tokens)]
+        for suffix in ("", "/fwd+bwd"):
+            ours, base = by.get("jax_moe" + suffix, {}), by.get("baseline" + suffix, {})
+            us = lambda r: f"{r['us']:.0f}" if "us" in r else "–"
+            speedup = f"{base['us'] / ours['us']:.1f}x" if "us" in ours and "us" in base else "–"
+            line += [us(ours), us(base), speedup]
+        lines.append(line)
     if lines:
-        text += "\n\nWhole MoE layer, µs:\n\n" + md_table(["model", "T", "jax_moe", "pure JAX + ragged_dot",
-                                                            "speed-up"], lines)
+        text += "\n\nWhole MoE layer, µs:\n\n" + md_table(
+            ["model", "T", "jax_moe", "pure JAX + ragged_dot", "speed-up",
+             "jax_moe fwd+bwd", "pure JAX fwd+bwd", "speed-up fwd+bwd"], lines)
     return text
 
 

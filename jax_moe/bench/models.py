@@ -56,7 +56,7 @@ MODELS = {m.name: m for m in (
 PERMUTE_MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
 PERMUTE_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 STACK_MODELS = ("deepseek_v3", "qwen3_30b")
-STACK_TOKENS = (1, 16, 128)
+STACK_TOKENS = (1, 16, 128, 1024)
 
 # --quick: decode and one prefill size of the two models both suites share, about a minute.
 QUICK_PERMUTE_MODELS = ("qwen3_30b", "deepseek_v3")

@@ -39,10 +39,13 @@ from jax_moe.bench.stack_suite import init_stack_params
 from jax_moe.layers import moe_stack
 
 AXIS = "expert"
-# Models (need an ffn size) and tokens per device. DeepSeek-V3's 22.5 GB of experts per layer
-# is left out: the suite holds the stack twice (sharded, and on one device for the comparison).
-MODELS = ("qwen3_30b",)
-TOKENS = (16, 256)
+# Models (need an ffn size) and tokens per device: DeepSeek-V3's shapes at a prefill size and a
+# large batch (issue 7). Its experts take 22.5 GB per layer, and the suite holds the stack twice
+# (sharded, and whole on device 0 for the single-device comparison), so the per-layer difference
+# is taken between 1 and 2 layers: about 100 GB on device 0 with two devices.
+MODELS = ("deepseek_v3",)
+TOKENS = (1024, 8192)
+LAYER_COUNTS = (1, 2)
 QUICK_MODELS = ("qwen3_30b",)
 QUICK_TOKENS = (16,)
 CAPACITY_FACTORS = {"no-drop": None, "cf=2": 2.0}
@@ -55,7 +58,9 @@ NOTES = (
     "sharded program's overhead against the single-device stack.",
     "no-drop sends n*C = n*T*min(k, E/n) rows per device and layer (empty slots included) so nothing "
     "can overflow; cf=2 sends n*ceil(2*T*k/n) and drops (and counts) what overflows.",
-    "Experts are SwiGLU on jax.lax.ragged_dot for every program; rows are bf16.",
+    "Experts are SwiGLU as moe_layer runs them: on a GPU (bf16) the CUDA grouped GEMM "
+    "(jax_moe.grouped_matmul), elsewhere jax.lax.ragged_dot; rows are bf16.",
+    "A capacity rule whose C equals no-drop's (e.g. cf=2 on 2 devices) is the same program: not run again.",
 )
 
 
@@ -65,11 +70,22 @@ class Case:
     capacity: str | None  # a CAPACITY_FACTORS key; None for single-device
 
 
-def cases() -> tuple[Case, ...]:
+def cases(capacities=tuple(CAPACITY_FACTORS)) -> tuple[Case, ...]:
     out = []
-    for capacity in CAPACITY_FACTORS:
+    for capacity in capacities:
         out += [Case("ep", capacity), Case("ep/no-collective", capacity), Case("all_to_all", capacity)]
     return (*out, Case("single-device", None))
+
+
+def distinct_capacities(config, num_devices: int, tokens: int) -> tuple[str, ...]:
+    """The capacity rules in CAPACITY_FACTORS that give different per-peer capacities C."""
+    seen, out = set(), []
+    for name, factor in CAPACITY_FACTORS.items():
+        capacity = parallel.peer_capacity(config, num_devices, tokens, factor)
+        if capacity not in seen:
+            seen.add(capacity)
+            out.append(name)
+    return tuple(out)
 
 
 def _identity(blocks, axis_name):
@@ -177,8 +193,11 @@ def measure_model(model: ModelShape, token_counts, layer_counts, mesh: Mesh, clo
     config = model.config(n * max(token_counts))
     local_params = init_stack_params(key, config, max(layer_counts), model.ffn_size)
     sharded_params = parallel.shard_params(local_params, mesh, AXIS)
-    params = {layers: jax.tree.map(lambda a: a[:layers], sharded_params) for layers in layer_counts}
-    single_params = {layers: jax.tree.map(lambda a: a[:layers], local_params) for layers in layer_counts}
+
+    def first(stack, layers):  # the longest scan takes the stack itself: no second copy of it
+        return stack if layers == max(layer_counts) else jax.tree.map(lambda a: a[:layers], stack)
+    params = {layers: first(sharded_params, layers) for layers in layer_counts}
+    single_params = {layers: first(local_params, layers) for layers in layer_counts}
     clock.log(f"parallel {model.name}: {n} device(s), L={layer_counts}, F={model.ffn_size}")
     rows = []
     for tokens in token_counts:
@@ -186,7 +205,11 @@ def measure_model(model: ModelShape, token_counts, layer_counts, mesh: Mesh, clo
             continue
         x = jax.random.normal(jax.random.fold_in(key, tokens), (n * tokens, model.hidden_size), ROW_DTYPE)
         entries, lowered = [], {}
-        for case in cases():
+        capacities = distinct_capacities(model.config(n * tokens), n, tokens)
+        for name in CAPACITY_FACTORS:
+            if name not in capacities:
+                clock.log(f"parallel {model.name} T={tokens} {name}: same C as no-drop, not run again")
+        for case in cases(capacities):
             row = _row(model, tokens, n, case)
             try:
                 program = build_program(case, model, tokens, mesh, params, single_params, x)
@@ -270,7 +293,7 @@ def facts() -> dict:
 
 
 def run(models: list[ModelShape], token_counts, clock: timing.Clock, compile_threads: int,
-        layer_counts=(4, 12), on_rows: Callable[[list[dict], list[str]], Any] | None = None,
+        layer_counts=LAYER_COUNTS, on_rows: Callable[[list[dict], list[str]], Any] | None = None,
         time_limit_s: float | None = None, found: dict | None = None) -> tuple[list[dict], list[str]]:
     """The suite on all devices. ``found``: ``facts()`` if already probed. Returns (rows, notes)."""
     mesh = make_mesh()
