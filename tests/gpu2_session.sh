@@ -4,7 +4,7 @@
 #             and compute-sanitizer racecheck on GPU 0 (correctness only: sharing is fine)
 #   parallel  the parallel bench suite on both GPUs, then on GPU 0 alone (nothing else running)
 #   gemm      the gemm suite, models split over the two GPUs (one process each, each measuring its
-#             own baselines and copy ceiling), then the stack suite on GPU 1 and ncu on GPU 0
+#             own baselines and copy ceiling), and the stack suite on GPU 1 after its share
 #   ncu       Nsight Compute on the grouped GEMM where it misses its targets
 # Usage (repo root): OUT=dir bash tests/gpu2_session.sh tests parallel gemm ncu
 # Logs and results land in $RUN (default /tmp/jax_moe_run), packed into $OUT/run.tgz after each step.
@@ -25,10 +25,10 @@ for step in "$@"; do
   case $step in
   tests)
     stage "tests (concurrent)"
-    timeout 240 python3 -m pytest -q -m gpu tests/test_parallel.py >"$RUN/parallel_gpu_tests.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gemm.py \
+    timeout 400 python3 -m pytest -q -m gpu tests/test_parallel.py >"$RUN/parallel_gpu_tests.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 400 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gemm.py \
       >"$RUN/gpu_tests.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=0 timeout 240 compute-sanitizer --tool racecheck --print-limit 20 \
+    CUDA_VISIBLE_DEVICES=0 timeout 400 compute-sanitizer --tool racecheck --print-limit 20 \
       python3 tests/sanitize_gpu.py >"$RUN/sanitizer_racecheck.log" 2>&1 &
     wait
     tail -4 "$RUN/parallel_gpu_tests.log" "$RUN/gpu_tests.log"
