@@ -171,6 +171,10 @@ def test_peer_capacity_and_expert_maps():
     assert maps == [(-1, 0, -1, 1, -1, -1), (-1, -1, 1, -1, 0, -1), (1, -1, -1, -1, -1, 0)]
     for m in maps:  # each a valid MoEConfig.expert_map with E / n local experts
         assert MoEConfig(num_experts=6, top_k=1, hidden_size=8, max_tokens=1, expert_map=m).num_local_experts == 2
+    # The receive side names its identity map: permute's empty "no map" operand crashes jaxlib
+    # 0.11.2's compiler inside a shard_map over 2+ GPUs (tests/parallel_checks.py --gpu).
+    local = ep.local_config(config, 4, 16)
+    assert local.expert_map == (0, 1, 2, 3) and (local.num_experts, local.top_k, local.max_tokens) == (4, 1, 64)
 
 
 def test_bad_arguments_raise_value_errors_at_trace_time():
