@@ -143,6 +143,15 @@ def test_gemm_suite_measures_each_implementation_and_the_layer(monkeypatch):
     assert f"| {layer['jax_moe/fwd+bwd']['us']:.0f} |" in text
 
 
+def test_measure_isolated_keeps_rows_and_notes_a_failure():
+    rows, notes, saved = [{"T": 1}], [], []
+    save = lambda r, n: saved.append((len(r), len(n)))  # noqa: E731
+    timing.measure_isolated(rows, notes, timing.Clock(), "m: failed", lambda: [{"T": 2}], save)
+    timing.measure_isolated(rows, notes, timing.Clock(), "m: failed", lambda: 1 / 0, save)
+    assert rows == [{"T": 1}, {"T": 2}] and notes == ["m: failed: ZeroDivisionError: division by zero"]
+    assert saved == [(2, 0), (2, 1)]  # saved after each, the failure included
+
+
 def test_gemm_suite_notes_a_failing_shape_and_goes_on(monkeypatch):
     def measure_gemm(model, tokens, clock, notes):
         if tokens == 2:

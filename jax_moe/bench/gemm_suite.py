@@ -197,26 +197,18 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_
     copy = copy_ceiling_gbs(clock)
     notes.append(f"copy ceiling: {copy:.0f} GB/s" if copy else "copy ceiling: not measured")
     rows = []
-
-    def isolated(what, measure):  # one shape failing (e.g. out of memory) must not end the run
-        try:
-            rows.extend(measure())
-        except Exception as e:
-            notes.append(f"{what}: failed: {timing.describe_error(e)}")
-            clock.log(notes[-1])
-        if on_rows:
-            on_rows(rows, notes)
-
     for model in models:
         for tokens in token_counts:
             if clock.out_of_time(time_limit_s, notes, f"gemm {model.name} T={tokens}"):
                 break
-            isolated(f"gemm {model.name} T={tokens}",
-                     lambda: [r | {"copy_gbs": copy} for r in measure_gemm(model, tokens, clock, notes)])
+            timing.measure_isolated(
+                rows, notes, clock, f"gemm {model.name} T={tokens}: failed",
+                lambda: [r | {"copy_gbs": copy} for r in measure_gemm(model, tokens, clock, notes)], on_rows)
         for tokens in LAYER_TOKENS:
             if tokens not in token_counts or clock.out_of_time(time_limit_s, notes, f"layer {model.name} T={tokens}"):
                 continue
-            isolated(f"layer {model.name} T={tokens}", lambda: measure_layer(model, tokens, clock))
+            timing.measure_isolated(rows, notes, clock, f"layer {model.name} T={tokens}: failed",
+                                    lambda: measure_layer(model, tokens, clock), on_rows)
     return rows, notes
 
 

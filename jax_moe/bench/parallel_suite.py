@@ -310,14 +310,10 @@ def run(models: list[ModelShape], token_counts, clock: timing.Clock, compile_thr
         if model.num_experts % mesh.size:
             notes.append(f"{model.name}: E={model.num_experts} is not a multiple of {mesh.size} devices")
             continue
-        try:
-            rows.extend(measure_model(model, token_counts, layer_counts, mesh, clock, compile_threads,
-                                      time_limit_s=time_limit_s, notes=notes))
-        except Exception as e:  # e.g. the params do not fit: the other models still run
-            notes.append(f"{model.name}: failed before any program ran: {timing.describe_error(e)}")
-            clock.log(notes[-1])
-        if on_rows:
-            on_rows(rows, notes)
+        timing.measure_isolated(rows, notes, clock, f"{model.name}: failed before any program ran",
+                                lambda: measure_model(model, token_counts, layer_counts, mesh, clock,
+                                                      compile_threads, time_limit_s=time_limit_s, notes=notes),
+                                on_rows)
     return rows, notes
 
 

@@ -187,12 +187,7 @@ def run(models: list[ModelShape], token_counts, clock: timing.Clock, compile_thr
         if model.stack_layers is None:
             notes.append(f"{model.name}: not in the stack suite (no ffn size / depth chosen)")
             continue
-        try:
-            rows.extend(measure_model(model, token_counts, clock, compile_threads,
-                                      time_limit_s=time_limit_s, notes=notes))
-        except Exception as e:  # e.g. the params do not fit: the other models still run
-            notes.append(f"{model.name}: failed before any step ran: {timing.describe_error(e)}")
-            clock.log(notes[-1])
-        if on_rows:
-            on_rows(rows, notes)
+        timing.measure_isolated(rows, notes, clock, f"{model.name}: failed before any step ran",
+                                lambda: measure_model(model, token_counts, clock, compile_threads,
+                                                      time_limit_s=time_limit_s, notes=notes), on_rows)
     return rows, notes

@@ -101,6 +101,19 @@ def describe_error(e: Exception) -> str:
     return f"{type(e).__name__}: {first_line}"[:500]
 
 
+def measure_isolated(rows: list, notes: list, clock: Clock, failure: str, measure: Callable[[], list],
+                     on_rows: Callable[[list, list], Any] | None = None) -> None:
+    """``rows.extend(measure())``; if it raises (e.g. out of memory), note ``failure: <error>`` instead,
+    so the other models and shapes still run. Then ``on_rows(rows, notes)`` saves what there is."""
+    try:
+        rows.extend(measure())
+    except Exception as e:
+        notes.append(f"{failure}: {describe_error(e)}")
+        clock.log(notes[-1])
+    if on_rows:
+        on_rows(rows, notes)
+
+
 def _call_blocking(program, state, *args) -> tuple[float, Any]:
     start = time.perf_counter()
     state = jax.block_until_ready(program(state, *args))
