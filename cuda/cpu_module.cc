@@ -15,6 +15,7 @@ PYBIND11_MODULE(_jax_moe_cpu, m) {
     pybind11::dict handlers;
     handlers["jax_moe_permute"] = Capsule(JaxMoePermuteCpu);
     handlers["jax_moe_unpermute"] = Capsule(JaxMoeUnpermuteCpu);
+    handlers["jax_moe_unpermute_grad"] = Capsule(JaxMoeUnpermuteGradCpu);
     handlers["jax_moe_bench_noop"] = Capsule(JaxMoeNoopCpu);
     handlers["jax_moe_bench_copy"] = Capsule(JaxMoeCopyCpu);
     return handlers;

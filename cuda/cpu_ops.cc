@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -220,6 +221,73 @@ ffi::Error CopyImpl(ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> dst) {
   return ffi::Error::Success();
 }
 
+// Unpermute's backward (gpu_kernels.h, UnpermuteGradArgs): d_y rows from src_index, each product
+// rounded once as on the GPU (bitwise equal); d_weights summed over h in ascending order.
+template <ffi::DataType kRowType, ffi::DataType kWeightType>
+void UnpermuteGradRows(const void* d_out, const void* y, const void* weights, const int32_t* dest,
+                       const int32_t* src, void* d_y, float* d_weights, const UnpermuteGradShapes& s) {
+  const IeeeSubnormals ieee;
+  const int64_t num_routes = s.num_tokens * s.top_k;
+  for (int64_t r = 0; r < s.num_rows; ++r) {
+    const int32_t route = src[r];
+    const bool routed = route >= 0 && route < num_routes;
+    const float w = routed ? LoadAsFloat<kWeightType>(weights, route) : 0.0f;
+    const int64_t token_base = routed ? (route / s.top_k) * s.hidden : 0;
+    for (int64_t h = 0; h < s.hidden; ++h)
+      StoreFromFloat<kRowType>(d_y, r * s.hidden + h, routed ? w * LoadAsFloat<kRowType>(d_out, token_base + h) : 0.0f);
+  }
+  for (int64_t route = 0; route < num_routes; ++route) {
+    const int32_t row = dest[route];
+    float acc = 0.0f;
+    if (row >= 0 && row < s.num_rows) {
+      const int64_t token_base = (route / s.top_k) * s.hidden, row_base = static_cast<int64_t>(row) * s.hidden;
+      for (int64_t h = 0; h < s.hidden; ++h)
+        acc = acc + LoadAsFloat<kRowType>(y, row_base + h) * LoadAsFloat<kRowType>(d_out, token_base + h);
+    }
+    d_weights[route] = acc;
+  }
+}
+
+template <ffi::DataType kRowType>
+ffi::Error UnpermuteGradWeights(ffi::DataType weight_type, const void* d_out, const void* y, const void* weights,
+                                const int32_t* dest, const int32_t* src, void* d_y, float* d_weights,
+                                const UnpermuteGradShapes& shapes) {
+  switch (weight_type) {
+    case ffi::F32:
+      UnpermuteGradRows<kRowType, ffi::F32>(d_out, y, weights, dest, src, d_y, d_weights, shapes);
+      return ffi::Error::Success();
+    case ffi::BF16:
+      UnpermuteGradRows<kRowType, ffi::BF16>(d_out, y, weights, dest, src, d_y, d_weights, shapes);
+      return ffi::Error::Success();
+    default:
+      return InvalidArgument("unpermute_grad: topk_weights must be float32 or bfloat16");
+  }
+}
+
+ffi::Error UnpermuteGradImpl(ffi::AnyBuffer d_out, ffi::AnyBuffer y, ffi::AnyBuffer topk_weights,
+                             ffi::Buffer<ffi::S32> dest_index, ffi::Buffer<ffi::S32> src_index,
+                             ffi::Result<ffi::AnyBuffer> d_y, ffi::Result<ffi::Buffer<ffi::F32>> d_weights) {
+  UnpermuteGradShapes shapes;
+  if (ffi::Error error =
+          CheckUnpermuteGradShapes(d_out, y, topk_weights, dest_index, src_index, *d_y, *d_weights, &shapes);
+      error.failure())
+    return error;
+  const auto args = std::make_tuple(d_out.untyped_data(), y.untyped_data(), topk_weights.untyped_data(),
+                                    dest_index.typed_data(), src_index.typed_data(), d_y->untyped_data(),
+                                    d_weights->typed_data(), shapes);
+  const ffi::DataType weight_type = topk_weights.element_type();
+  switch (y.element_type()) {
+    case ffi::F32:
+      return std::apply([&](auto... a) { return UnpermuteGradWeights<ffi::F32>(weight_type, a...); }, args);
+    case ffi::BF16:
+      return std::apply([&](auto... a) { return UnpermuteGradWeights<ffi::BF16>(weight_type, a...); }, args);
+    case ffi::F16:
+      return std::apply([&](auto... a) { return UnpermuteGradWeights<ffi::F16>(weight_type, a...); }, args);
+    default:
+      return InvalidArgument("unpermute_grad: y must be float16, bfloat16 or float32");
+  }
+}
+
 }  // namespace
 }  // namespace jax_moe
 
@@ -228,6 +296,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteCpu, jax_moe::PermuteImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteCpu, jax_moe::UnpermuteImpl,
                               jax_moe::BindUnpermute(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteGradCpu, jax_moe::UnpermuteGradImpl,
+                              jax_moe::BindUnpermuteGrad(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeNoopCpu, jax_moe::NoopImpl,
                               ffi::Ffi::Bind()

@@ -7,6 +7,7 @@
 extern "C" {
 XLA_FFI_Error* JaxMoePermuteCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeUnpermuteGradCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeNoopCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeCopyCpu(XLA_FFI_CallFrame* call_frame);
 }

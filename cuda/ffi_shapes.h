@@ -86,6 +86,47 @@ auto BindUnpermute(Binding binding) {
       .template Ret<xla::ffi::AnyBuffer>();                  // out [T, H]
 }
 
+struct UnpermuteGradShapes {
+  int64_t num_tokens, top_k, hidden, num_rows;
+};
+
+// d_out [T, H], y [R, H] of one float dtype, topk_weights [T, k], dest_index [T, k], src_index [R];
+// d_y like y, d_weights [T, k].
+inline xla::ffi::Error CheckUnpermuteGradShapes(const xla::ffi::AnyBuffer& d_out, const xla::ffi::AnyBuffer& y,
+                                                const xla::ffi::AnyBuffer& topk_weights,
+                                                const xla::ffi::Buffer<xla::ffi::S32>& dest_index,
+                                                const xla::ffi::Buffer<xla::ffi::S32>& src_index,
+                                                const xla::ffi::AnyBuffer& d_y,
+                                                const xla::ffi::Buffer<xla::ffi::F32>& d_weights,
+                                                UnpermuteGradShapes* shapes) {
+  const auto g = d_out.dimensions(), r = y.dimensions(), w = topk_weights.dimensions(), dy = d_y.dimensions();
+  if (g.size() != 2 || r.size() != 2 || w.size() != 2 || dy.size() != 2 || g[0] != w[0] || g[1] != r[1] ||
+      dy[0] != r[0] || dy[1] != r[1] || d_out.element_type() != y.element_type() ||
+      d_y.element_type() != y.element_type() ||
+      static_cast<int64_t>(dest_index.element_count()) != w[0] * w[1] ||
+      static_cast<int64_t>(src_index.element_count()) != r[0] ||
+      static_cast<int64_t>(d_weights.element_count()) != w[0] * w[1])
+    return InvalidArgument("unpermute_grad: shapes or dtypes of d_out, y, topk_weights, dest_index, src_index disagree");
+  shapes->num_tokens = w[0];
+  shapes->top_k = w[1];
+  shapes->hidden = r[1];
+  shapes->num_rows = r[0];
+  return xla::ffi::Error::Success();
+}
+
+// Unpermute's backward: operands and results, bound after whatever context the platform needs.
+template <typename Binding>
+auto BindUnpermuteGrad(Binding binding) {
+  using Indices = xla::ffi::Buffer<xla::ffi::S32>;
+  return std::move(binding).template Arg<xla::ffi::AnyBuffer>()  // d_out [T, H]
+      .template Arg<xla::ffi::AnyBuffer>()                   // y [R, H], the rows unpermute read
+      .template Arg<xla::ffi::AnyBuffer>()                   // topk_weights [T, k]
+      .template Arg<Indices>()                               // dest_index [T, k]
+      .template Arg<Indices>()                               // src_index [R]
+      .template Ret<xla::ffi::AnyBuffer>()                   // d_y [R, H], y's dtype
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>();      // d_weights [T, k] float32
+}
+
 }  // namespace jax_moe
 
 #endif  // JAX_MOE_FFI_SHAPES_H_

@@ -460,6 +460,80 @@ cudaError_t LaunchUnpermuteWeights(const UnpermuteArgs& a, cudaStream_t stream) 
                                           : LaunchUnpermuteRows<Row, __nv_bfloat16>(a, stream);
 }
 
+// ---- Unpermute's backward, one launch in two roles. Row blocks: one thread per 16-byte vector of
+// d_y, d_y[r] = w[s] * d_out[s / k] for the route s of row r (src_index), each product rounded
+// once, zero for rows of no route. Route blocks: one warp per route (t, j), the float32 dot
+// product <y[dest[t, j]], d_out[t]> summed lane-strided then by a fixed butterfly (deterministic).
+template <typename Row, typename Weight, int kVec>
+__global__ void __launch_bounds__(kThreads) UnpermuteGradKernel(UnpermuteGradArgs a, int64_t row_blocks) {
+  using Vector = RowVector<Row, kVec>;
+  const int64_t vecs_per_row = a.hidden / kVec;
+  const int64_t num_routes = a.num_tokens * a.top_k;
+  const Vector* d_out = reinterpret_cast<const Vector*>(a.d_out);
+  const Weight* weights = reinterpret_cast<const Weight*>(a.topk_weights);
+  if (blockIdx.x < row_blocks) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    if (i >= a.num_rows * vecs_per_row) return;
+    const int64_t r = i / vecs_per_row, v = i % vecs_per_row;
+    const int32_t route = a.src_index[r];
+    Vector result;
+    if (route >= 0 && route < num_routes) {
+      const float w = RowTraits<Weight>::ToFloat(weights[route]);
+      const Vector g = d_out[(route / a.top_k) * vecs_per_row + v];
+#pragma unroll
+      for (int l = 0; l < kVec; ++l) result.lanes[l] = RowTraits<Row>::FromFloat(__fmul_rn(w, RowTraits<Row>::ToFloat(g.lanes[l])));
+    } else {
+#pragma unroll
+      for (int l = 0; l < kVec; ++l) result.lanes[l] = RowTraits<Row>::FromFloat(0.0f);
+    }
+    reinterpret_cast<Vector*>(a.d_y)[i] = result;
+    return;
+  }
+  const int lane = threadIdx.x & 31;
+  const int64_t route = (static_cast<int64_t>(blockIdx.x) - row_blocks) * kWarps + (threadIdx.x >> 5);
+  if (route >= num_routes) return;
+  const int32_t row = a.dest_index[route];
+  float acc = 0.0f;
+  if (row >= 0 && row < a.num_rows) {
+    const Vector* y = reinterpret_cast<const Vector*>(a.y) + row * vecs_per_row;
+    const Vector* g = d_out + (route / a.top_k) * vecs_per_row;
+    for (int64_t v = lane; v < vecs_per_row; v += 32) {
+      const Vector yv = y[v], gv = g[v];
+#pragma unroll
+      for (int l = 0; l < kVec; ++l)
+        acc = __fadd_rn(acc, __fmul_rn(RowTraits<Row>::ToFloat(yv.lanes[l]), RowTraits<Row>::ToFloat(gv.lanes[l])));
+    }
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(~0u, acc, d));
+  if (lane == 0) a.d_weights[route] = acc;
+}
+
+template <typename Row, typename Weight, int kVec>
+cudaError_t LaunchUnpermuteGradTyped(const UnpermuteGradArgs& a, cudaStream_t stream) {
+  const int64_t row_blocks = (a.num_rows * (a.hidden / kVec) + kThreads - 1) / kThreads;
+  const int64_t route_blocks = (a.num_tokens * a.top_k + kWarps - 1) / kWarps;
+  if (row_blocks + route_blocks == 0) return cudaSuccess;
+  UnpermuteGradKernel<Row, Weight, kVec><<<row_blocks + route_blocks, kThreads, 0, stream>>>(a, row_blocks);
+  return cudaGetLastError();
+}
+
+template <typename Row, typename Weight>
+cudaError_t LaunchUnpermuteGradRows(const UnpermuteGradArgs& a, cudaStream_t stream) {
+  constexpr int kVec16 = 16 / sizeof(Row);
+  const bool aligned =
+      ((reinterpret_cast<uintptr_t>(a.y) | reinterpret_cast<uintptr_t>(a.d_out) | reinterpret_cast<uintptr_t>(a.d_y)) %
+       16) == 0;
+  if (aligned && a.hidden % kVec16 == 0) return LaunchUnpermuteGradTyped<Row, Weight, kVec16>(a, stream);
+  return LaunchUnpermuteGradTyped<Row, Weight, 1>(a, stream);
+}
+
+template <typename Row>
+cudaError_t LaunchUnpermuteGradWeights(const UnpermuteGradArgs& a, cudaStream_t stream) {
+  return a.weight_type == FloatType::kF32 ? LaunchUnpermuteGradRows<Row, float>(a, stream)
+                                          : LaunchUnpermuteGradRows<Row, __nv_bfloat16>(a, stream);
+}
+
 }  // namespace
 
 cudaError_t LaunchPermute(const PermuteArgs& a, cudaStream_t stream) {
@@ -477,6 +551,18 @@ cudaError_t LaunchUnpermute(const UnpermuteArgs& a, cudaStream_t stream) {
       return LaunchUnpermuteWeights<__nv_bfloat16>(a, stream);
     case FloatType::kF16:
       return LaunchUnpermuteWeights<__half>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchUnpermuteGrad(const UnpermuteGradArgs& a, cudaStream_t stream) {
+  switch (a.row_type) {
+    case FloatType::kF32:
+      return LaunchUnpermuteGradWeights<float>(a, stream);
+    case FloatType::kBF16:
+      return LaunchUnpermuteGradWeights<__nv_bfloat16>(a, stream);
+    case FloatType::kF16:
+      return LaunchUnpermuteGradWeights<__half>(a, stream);
   }
   return cudaErrorInvalidValue;
 }

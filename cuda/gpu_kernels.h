@@ -37,8 +37,23 @@ struct UnpermuteArgs {
   FloatType row_type, weight_type;
 };
 
+// Unpermute's backward: d_y[r] = w[s] * d_out[s / k] for the route s = src_index[r] of row r
+// (zero for rows of no route), d_weights[t, j] = <y[dest_index[t, j]], d_out[t]> (zero when dropped).
+struct UnpermuteGradArgs {
+  const void* d_out;           // [T, H]
+  const void* y;               // [R, H]
+  const void* topk_weights;    // [T, k]
+  const int32_t* dest_index;   // [T, k]
+  const int32_t* src_index;    // [R]
+  void* d_y;                   // [R, H], y's dtype
+  float* d_weights;            // [T, k]
+  int64_t num_tokens, top_k, hidden, num_rows;
+  FloatType row_type, weight_type;
+};
+
 cudaError_t LaunchPermute(const PermuteArgs& args, cudaStream_t stream);
 cudaError_t LaunchUnpermute(const UnpermuteArgs& args, cudaStream_t stream);
+cudaError_t LaunchUnpermuteGrad(const UnpermuteGradArgs& args, cudaStream_t stream);
 
 }  // namespace jax_moe
 

@@ -16,6 +16,7 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
     pybind11::dict handlers;
     handlers["jax_moe_permute"] = Capsule(JaxMoePermuteCuda);
     handlers["jax_moe_unpermute"] = Capsule(JaxMoeUnpermuteCuda);
+    handlers["jax_moe_unpermute_grad"] = Capsule(JaxMoeUnpermuteGradCuda);
     handlers["jax_moe_grouped_matmul"] = Capsule(JaxMoeGroupedMatmulCuda);
     handlers["jax_moe_bench_noop"] = Capsule(JaxMoeNoopCuda);
     handlers["jax_moe_bench_copy"] = Capsule(JaxMoeCopyCuda);

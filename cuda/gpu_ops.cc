@@ -93,37 +93,82 @@ ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer t
   return CudaStatus(LaunchUnpermute(args, stream), "jax_moe unpermute");
 }
 
-// rows [R, K] @ weights[g] [K, N] for the rows of each group g, read from expert_offsets on the
-// device; out [out_rows, N]. The workspace (the scratch's, aliased) holds CUTLASS's arguments.
-ffi::Error GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
+ffi::Error UnpermuteGradImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyBuffer y, ffi::AnyBuffer topk_weights,
+                             ffi::Buffer<ffi::S32> dest_index, ffi::Buffer<ffi::S32> src_index,
+                             ffi::Result<ffi::AnyBuffer> d_y, ffi::Result<ffi::Buffer<ffi::F32>> d_weights) {
+  UnpermuteGradShapes shapes;
+  if (ffi::Error error =
+          CheckUnpermuteGradShapes(d_out, y, topk_weights, dest_index, src_index, *d_y, *d_weights, &shapes);
+      error.failure())
+    return error;
+  UnpermuteGradArgs args;
+  if (!ToFloatType(y.element_type(), &args.row_type) || !ToFloatType(topk_weights.element_type(), &args.weight_type) ||
+      args.weight_type == FloatType::kF16)
+    return InvalidArgument("unpermute_grad: y must be a float type, topk_weights float32 or bfloat16");
+  args.d_out = d_out.untyped_data();
+  args.y = y.untyped_data();
+  args.topk_weights = topk_weights.untyped_data();
+  args.dest_index = dest_index.typed_data();
+  args.src_index = src_index.typed_data();
+  args.d_y = d_y->untyped_data();
+  args.d_weights = d_weights->typed_data();
+  args.num_tokens = shapes.num_tokens;
+  args.top_k = shapes.top_k;
+  args.hidden = shapes.hidden;
+  args.num_rows = shapes.num_rows;
+  return CudaStatus(LaunchUnpermuteGrad(args, stream), "jax_moe unpermute_grad");
+}
+
+// The grouped GEMMs of grouped_gemm.h over the groups of expert_offsets, read on the device. The
+// workspace (the scratch's, or the backward pass's, aliased) holds CUTLASS's per-group arguments.
+//   op forward:     a = rows [R, K],  b = weights [El, K, N], out [<= R, N]
+//   op input grad:  a = d_out [R, N], b = weights [El, K, N], out [<= R, K]
+//   op weight grad: a = rows [R, K],  b = d_out [R, N],       out [El, K, N]
+ffi::Error GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                              ffi::Buffer<ffi::S32> expert_offsets, ffi::Buffer<ffi::S32>, ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::Buffer<ffi::S32>> workspace, int64_t tile) {
-  const auto r = rows.dimensions();
-  const auto w = weights.dimensions();
-  const auto o = out->dimensions();
-  if (r.size() != 2 || w.size() != 3 || o.size() != 2 || w[1] != r[1] || o[1] != w[2] || o[0] > r[0] ||
-      static_cast<int64_t>(expert_offsets.element_count()) != w[0] + 1 || rows.element_type() != ffi::BF16 ||
-      weights.element_type() != ffi::BF16 || out->element_type() != ffi::BF16 ||
+                             ffi::Result<ffi::Buffer<ffi::S32>> workspace, int64_t tile, int64_t op) {
+  const auto ad = a.dimensions();
+  const auto bd = b.dimensions();
+  const auto od = out->dimensions();
+  if (a.element_type() != ffi::BF16 || b.element_type() != ffi::BF16 || out->element_type() != ffi::BF16 ||
       (tile != static_cast<int64_t>(GemmTile::kSmallM) && tile != static_cast<int64_t>(GemmTile::kLargeM)))
-    return InvalidArgument("grouped_matmul: expected bf16 rows [R, K], weights [El, K, N], out [<= R, N], "
-                           "expert_offsets [El + 1] and a known tile");
-  if (r[1] % kGemmAlignElements != 0 || w[2] % kGemmAlignElements != 0)
-    return InvalidArgument("grouped_matmul: K and N must be multiples of 8");
+    return InvalidArgument("grouped_matmul: expected bf16 operands and a known tile");
   GroupedGemmArgs args;
-  args.rows = rows.untyped_data();
-  args.weights = weights.untyped_data();
+  args.op = static_cast<GemmOp>(op);
+  bool shapes_ok = ad.size() == 2;
+  switch (args.op) {
+    case GemmOp::kForward:  // rows [R, K], weights [El, K, N], out [<= R, N]
+      shapes_ok = shapes_ok && bd.size() == 3 && od.size() == 2 && bd[1] == ad[1] && od[1] == bd[2] && od[0] <= ad[0];
+      if (shapes_ok) args.num_groups = bd[0], args.k = bd[1], args.n = bd[2], args.out_rows = od[0];
+      break;
+    case GemmOp::kInputGrad:  // d_out [R, N], weights [El, K, N], out [<= R, K]
+      shapes_ok = shapes_ok && bd.size() == 3 && od.size() == 2 && bd[2] == ad[1] && od[1] == bd[1] && od[0] <= ad[0];
+      if (shapes_ok) args.num_groups = bd[0], args.k = bd[1], args.n = bd[2], args.out_rows = od[0];
+      break;
+    case GemmOp::kWeightGrad:  // rows [R, K], d_out [R, N], out [El, K, N]
+      shapes_ok = shapes_ok && bd.size() == 2 && od.size() == 3 && bd[0] == ad[0] && od[1] == ad[1] && od[2] == bd[1];
+      if (shapes_ok) args.num_groups = od[0], args.k = od[1], args.n = od[2], args.out_rows = ad[0];
+      break;
+    default:
+      return InvalidArgument("grouped_matmul: unknown op");
+  }
+  if (!shapes_ok || static_cast<int64_t>(expert_offsets.element_count()) != args.num_groups + 1)
+    return InvalidArgument("grouped_matmul: operand shapes do not fit the op, or expert_offsets is not [El + 1]");
+  if (args.k % kGemmAlignElements != 0 || args.n % kGemmAlignElements != 0)
+    return InvalidArgument("grouped_matmul: K and N must be multiples of 8");
+  args.a = a.untyped_data();
+  args.b = b.untyped_data();
   args.expert_offsets = expert_offsets.typed_data();
   args.out = out->untyped_data();
-  args.workspace = workspace->untyped_data();
-  args.workspace_bytes = workspace->size_bytes();
-  args.out_rows = o[0];
-  args.num_groups = w[0];
-  args.k = w[1];
-  args.n = w[2];
+  // The argument arrays start at the first 128-byte boundary (a temporary buffer of XLA's may sit
+  // at a smaller alignment); GroupedGemmWorkspaceBytes counts that slack.
+  const uintptr_t base = reinterpret_cast<uintptr_t>(workspace->untyped_data());
+  const uintptr_t aligned = (base + 127) / 128 * 128;
+  args.workspace = reinterpret_cast<void*>(aligned);
+  args.workspace_bytes = workspace->size_bytes() > aligned - base ? workspace->size_bytes() - (aligned - base) : 0;
   args.tile = static_cast<GemmTile>(tile);
-  if (args.workspace_bytes < GroupedGemmWorkspaceBytes(args.num_groups) ||
-      reinterpret_cast<uintptr_t>(args.workspace) % 128 != 0)
-    return InvalidArgument("grouped_matmul: the scratch workspace is too small or misaligned for the grouped GEMM "
+  if (workspace->size_bytes() < GroupedGemmWorkspaceBytes(args.num_groups))
+    return InvalidArgument("grouped_matmul: the workspace is too small for the grouped GEMM "
                            "(scratch built without the CUDA module, or for another dtype?)");
   return CudaStatus(LaunchGroupedGemm(args, stream), "jax_moe grouped_matmul");
 }
@@ -149,16 +194,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteCuda, jax_moe::UnpermuteImpl,
                               jax_moe::BindUnpermute(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteGradCuda, jax_moe::UnpermuteGradImpl,
+                              jax_moe::BindUnpermuteGrad(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeGroupedMatmulCuda, jax_moe::GroupedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // rows [R, K] bf16
-                                  .Arg<ffi::AnyBuffer>()               // weights [El, K, N] bf16
+                                  .Arg<ffi::AnyBuffer>()               // a: rows or d_out, bf16
+                                  .Arg<ffi::AnyBuffer>()               // b: weights or d_out, bf16
                                   .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
-                                  .Ret<ffi::AnyBuffer>()               // out [out_rows, N] bf16
+                                  .Ret<ffi::AnyBuffer>()               // out, bf16
                                   .Ret<ffi::Buffer<ffi::S32>>()        // workspace
-                                  .Attr<int64_t>("tile"),              // GemmTile
+                                  .Attr<int64_t>("tile")               // GemmTile
+                                  .Attr<int64_t>("op"),                // GemmOp
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeNoopCuda, jax_moe::NoopImpl,

@@ -7,6 +7,7 @@
 extern "C" {
 XLA_FFI_Error* JaxMoePermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeUnpermuteGradCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeGroupedMatmulCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeNoopCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeCopyCuda(XLA_FFI_CallFrame* call_frame);

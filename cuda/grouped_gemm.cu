@@ -1,5 +1,5 @@
 // Grouped GEMM launcher: a setup kernel turns expert_offsets into CUTLASS's per-group arguments
-// (in the workspace) and zeroes the output rows of no group; then the CUTLASS kernel runs.
+// (in the workspace) and zeroes what no group covers; then the CUTLASS kernel of the op runs.
 #include <algorithm>
 #include <atomic>
 
@@ -9,19 +9,26 @@
 namespace jax_moe {
 namespace gemm {
 
-cudaError_t RunSmallM(const GroupedGemmArgs& args, int sm_count, cudaStream_t stream);
-cudaError_t RunLargeM(const GroupedGemmArgs& args, int sm_count, cudaStream_t stream);
-size_t SmallMWorkspaceBytes(int64_t num_groups);
-size_t LargeMWorkspaceBytes(int64_t num_groups);
+// One per (op, tile) configuration, each in its own .cu file (JAX_MOE_DEFINE_GEMM_CONFIG).
+#define JAX_MOE_DECLARE_GEMM_CONFIG(NAME)                                                 \
+  cudaError_t Run##NAME(const GroupedGemmArgs& args, int sm_count, cudaStream_t stream); \
+  size_t NAME##WorkspaceBytes(int64_t num_groups);
+JAX_MOE_DECLARE_GEMM_CONFIG(ForwardSmallM)
+JAX_MOE_DECLARE_GEMM_CONFIG(ForwardLargeM)
+JAX_MOE_DECLARE_GEMM_CONFIG(InputGradSmallM)
+JAX_MOE_DECLARE_GEMM_CONFIG(InputGradLargeM)
+JAX_MOE_DECLARE_GEMM_CONFIG(WeightGrad)
+#undef JAX_MOE_DECLARE_GEMM_CONFIG
 
 namespace {
 
+constexpr size_t kWorkspaceAlignSlack = 128;  // the handler aligns the workspace up to 128 bytes
 constexpr int kSetupThreads = 256;
 constexpr int kMaxSetupBlocks = 264;
 
 struct SetupParams {
-  const Element* rows;
-  const Element* weights;
+  const Element* a;
+  const Element* b;
   const int32_t* expert_offsets;
   Element* out;
   char* workspace;
@@ -30,35 +37,70 @@ struct SetupParams {
 
 __device__ int64_t Clamp(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// Threads first fill one group's arguments each, then all zero the rows past the last group with
-// 16-byte stores (n is a multiple of 8 bf16). Offsets are clamped to [0, out_rows], so arguments
-// never point outside rows or out, whatever the offsets hold.
+// Group g's rows [start, end), clamped to [0, out_rows]: arguments never point outside the
+// operands, whatever the offsets hold.
+__device__ void GroupRows(const SetupParams& p, int64_t g, int64_t* start, int64_t* end) {
+  *start = Clamp(p.expert_offsets[g], 0, p.out_rows);
+  *end = Clamp(p.expert_offsets[g + 1], *start, p.out_rows);
+}
+
+__device__ void ZeroVectors(Element* begin, int64_t vectors, int64_t thread, int64_t threads) {
+  uint4* out = reinterpret_cast<uint4*>(begin);
+  for (int64_t i = thread; i < vectors; i += threads) out[i] = make_uint4(0, 0, 0, 0);
+}
+
+// Threads first fill one group's arguments each, then all zero what no group covers with 16-byte
+// stores (k and n are multiples of 8 bf16): the rows past the last group (forward, input grad),
+// or the weight gradient of every expert without rows (CUTLASS would leave a K = 0 problem's
+// accumulators unwritten, so such groups get M = 0 and no tiles at all).
+template <GemmOp kOp>
 __global__ void SetupKernel(SetupParams p) {
+  using Strides = OpLayouts<kOp>;
   const WorkspaceLayout layout(p.num_groups);
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t g = thread; g < p.num_groups; g += threads) {
-    const int64_t start = Clamp(p.expert_offsets[g], 0, p.out_rows);
-    const int64_t end = Clamp(p.expert_offsets[g + 1], start, p.out_rows);
-    reinterpret_cast<Shape*>(p.workspace + layout.shapes)[g] =
-        Shape{static_cast<int>(end - start), static_cast<int>(p.n), static_cast<int>(p.k)};
-    reinterpret_cast<const Element**>(p.workspace + layout.ptr_a)[g] = p.rows + start * p.k;
-    reinterpret_cast<const Element**>(p.workspace + layout.ptr_b)[g] = p.weights + g * p.k * p.n;
-    reinterpret_cast<Element**>(p.workspace + layout.ptr_d)[g] = p.out + start * p.n;
-    StrideA stride_a{};
-    cute::get<0>(stride_a) = p.k;
-    StrideB stride_b{};
-    cute::get<1>(stride_b) = p.n;
+    int64_t start, end;
+    GroupRows(p, g, &start, &end);
+    const int rows = static_cast<int>(end - start);
+    Shape shape;
+    const Element *a, *b;
+    Element* d;
+    typename Strides::StrideA stride_a{};
+    typename Strides::StrideB stride_b{};
     StrideD stride_d{};
-    cute::get<0>(stride_d) = p.n;
-    reinterpret_cast<StrideA*>(p.workspace + layout.stride_a)[g] = stride_a;
-    reinterpret_cast<StrideB*>(p.workspace + layout.stride_b)[g] = stride_b;
+    if constexpr (kOp == GemmOp::kForward) {  // [rows, K] @ [K, N]
+      shape = Shape{rows, static_cast<int>(p.n), static_cast<int>(p.k)};
+      a = p.a + start * p.k, b = p.b + g * p.k * p.n, d = p.out + start * p.n;
+      cute::get<0>(stride_a) = p.k, cute::get<1>(stride_b) = p.n, cute::get<0>(stride_d) = p.n;
+    } else if constexpr (kOp == GemmOp::kInputGrad) {  // [rows, N] @ [K, N]^T
+      shape = Shape{rows, static_cast<int>(p.k), static_cast<int>(p.n)};
+      a = p.a + start * p.n, b = p.b + g * p.k * p.n, d = p.out + start * p.k;
+      cute::get<0>(stride_a) = p.n, cute::get<0>(stride_b) = p.n, cute::get<0>(stride_d) = p.k;
+    } else {  // [rows, K]^T @ [rows, N]
+      shape = Shape{rows > 0 ? static_cast<int>(p.k) : 0, static_cast<int>(p.n), rows};
+      a = p.a + start * p.k, b = p.b + start * p.n, d = p.out + g * p.k * p.n;
+      cute::get<1>(stride_a) = p.k, cute::get<1>(stride_b) = p.n, cute::get<0>(stride_d) = p.n;
+    }
+    reinterpret_cast<Shape*>(p.workspace + layout.shapes)[g] = shape;
+    reinterpret_cast<const Element**>(p.workspace + layout.ptr_a)[g] = a;
+    reinterpret_cast<const Element**>(p.workspace + layout.ptr_b)[g] = b;
+    reinterpret_cast<Element**>(p.workspace + layout.ptr_d)[g] = d;
+    reinterpret_cast<typename Strides::StrideA*>(p.workspace + layout.stride_a)[g] = stride_a;
+    reinterpret_cast<typename Strides::StrideB*>(p.workspace + layout.stride_b)[g] = stride_b;
     reinterpret_cast<StrideD*>(p.workspace + layout.stride_d)[g] = stride_d;
   }
-  const int64_t live = Clamp(p.expert_offsets[p.num_groups], 0, p.out_rows);
-  uint4* tail = reinterpret_cast<uint4*>(p.out + live * p.n);
-  const int64_t vectors = (p.out_rows - live) * p.n / 8;
-  for (int64_t i = thread; i < vectors; i += threads) tail[i] = make_uint4(0, 0, 0, 0);
+  if constexpr (kOp == GemmOp::kWeightGrad) {
+    for (int64_t g = 0; g < p.num_groups; ++g) {  // every thread reads the same offsets: uniform
+      int64_t start, end;
+      GroupRows(p, g, &start, &end);
+      if (end == start) ZeroVectors(p.out + g * p.k * p.n, p.k * p.n / 8, thread, threads);
+    }
+  } else {
+    const int64_t width = kOp == GemmOp::kForward ? p.n : p.k;
+    const int64_t live = Clamp(p.expert_offsets[p.num_groups], 0, p.out_rows);
+    ZeroVectors(p.out + live * width, (p.out_rows - live) * width / 8, thread, threads);
+  }
 }
 
 int SmCount() {
@@ -73,30 +115,57 @@ int SmCount() {
   return std::min(count, kGemmMaxSms);
 }
 
+template <GemmOp kOp>
+cudaError_t LaunchSetup(const GroupedGemmArgs& args, cudaStream_t stream) {
+  SetupParams setup{static_cast<const Element*>(args.a), static_cast<const Element*>(args.b), args.expert_offsets,
+                    static_cast<Element*>(args.out), static_cast<char*>(args.workspace), args.out_rows,
+                    args.num_groups, args.k, args.n};
+  // Enough threads for the zeroing the op may need (its extent is known only on the device).
+  const int64_t zeroed = kOp == GemmOp::kWeightGrad ? args.k * args.n
+                                                    : args.out_rows * (kOp == GemmOp::kForward ? args.n : args.k);
+  const int64_t work = std::max(args.num_groups, zeroed / 8);
+  const int blocks =
+      static_cast<int>(std::clamp<int64_t>((work + kSetupThreads - 1) / kSetupThreads, 1, kMaxSetupBlocks));
+  SetupKernel<kOp><<<blocks, kSetupThreads, 0, stream>>>(setup);
+  return cudaGetLastError();
+}
+
 }  // namespace
 }  // namespace gemm
 
 size_t GroupedGemmWorkspaceBytes(int64_t num_groups) {
-  return gemm::WorkspaceLayout(num_groups).cutlass +
-         std::max(gemm::SmallMWorkspaceBytes(num_groups), gemm::LargeMWorkspaceBytes(num_groups));
+  using namespace gemm;
+  return kWorkspaceAlignSlack + WorkspaceLayout(num_groups).cutlass +
+         std::max({ForwardSmallMWorkspaceBytes(num_groups), ForwardLargeMWorkspaceBytes(num_groups),
+                   InputGradSmallMWorkspaceBytes(num_groups), InputGradLargeMWorkspaceBytes(num_groups),
+                   WeightGradWorkspaceBytes(num_groups)});
 }
 
 cudaError_t LaunchGroupedGemm(const GroupedGemmArgs& args, cudaStream_t stream) {
-  if (args.workspace_bytes < GroupedGemmWorkspaceBytes(args.num_groups) || args.k % kGemmAlignElements != 0 ||
+  using namespace gemm;
+  if (args.workspace_bytes + kWorkspaceAlignSlack < GroupedGemmWorkspaceBytes(args.num_groups) ||
+      reinterpret_cast<uintptr_t>(args.workspace) % 128 != 0 || args.k % kGemmAlignElements != 0 ||
       args.n % kGemmAlignElements != 0 || args.num_groups < 1)
     return cudaErrorInvalidValue;
-  const int sm_count = gemm::SmCount();
+  const int sm_count = SmCount();
   if (sm_count <= 0) return cudaErrorInvalidDevice;
-  gemm::SetupParams setup{static_cast<const gemm::Element*>(args.rows), static_cast<const gemm::Element*>(args.weights),
-                          args.expert_offsets, static_cast<gemm::Element*>(args.out),
-                          static_cast<char*>(args.workspace), args.out_rows, args.num_groups, args.k, args.n};
-  const int64_t work = std::max(args.num_groups, args.out_rows * args.n / 8);
-  const int blocks = static_cast<int>(std::clamp<int64_t>((work + gemm::kSetupThreads - 1) / gemm::kSetupThreads, 1,
-                                                          gemm::kMaxSetupBlocks));
-  gemm::SetupKernel<<<blocks, gemm::kSetupThreads, 0, stream>>>(setup);
-  if (cudaError_t status = cudaGetLastError(); status != cudaSuccess) return status;
-  return args.tile == GemmTile::kLargeM ? gemm::RunLargeM(args, sm_count, stream)
-                                        : gemm::RunSmallM(args, sm_count, stream);
+  const bool large = args.tile == GemmTile::kLargeM;
+  cudaError_t status = cudaSuccess;
+  switch (args.op) {
+    case GemmOp::kForward:
+      status = LaunchSetup<GemmOp::kForward>(args, stream);
+      if (status != cudaSuccess) return status;
+      return large ? RunForwardLargeM(args, sm_count, stream) : RunForwardSmallM(args, sm_count, stream);
+    case GemmOp::kInputGrad:
+      status = LaunchSetup<GemmOp::kInputGrad>(args, stream);
+      if (status != cudaSuccess) return status;
+      return large ? RunInputGradLargeM(args, sm_count, stream) : RunInputGradSmallM(args, sm_count, stream);
+    case GemmOp::kWeightGrad:
+      status = LaunchSetup<GemmOp::kWeightGrad>(args, stream);
+      if (status != cudaSuccess) return status;
+      return RunWeightGrad(args, sm_count, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace jax_moe

@@ -1,7 +1,11 @@
-// Grouped GEMM of the expert layers on Hopper (CUTLASS sm90 ptr-array kernels): for each local
-// expert g, out[rows of g] = rows[rows of g] @ w[g], with the groups read on the device from
-// permute's expert_offsets. No host sync, no allocation: the per-group argument arrays and
-// CUTLASS's workspace live in the caller's workspace buffer (the scratch's `workspace`).
+// Grouped GEMMs of the expert layers on Hopper (CUTLASS sm90 ptr-array kernels), forward and
+// backward, with the groups read on the device from permute's expert_offsets. For each local
+// expert g owning rows [offsets[g], offsets[g + 1]):
+//   forward      out[rows of g]    = rows[rows of g] @ w[g]          (rows [R, K], w [El, K, N])
+//   input grad   d_rows[rows of g] = d_out[rows of g] @ w[g]^T       (d_out [R, N])
+//   weight grad  d_w[g]            = rows[rows of g]^T @ d_out[rows of g]
+// No host sync, no allocation: the per-group argument arrays and CUTLASS's workspace live in the
+// caller's workspace buffer (the scratch's `workspace`, or one the backward pass threads through).
 #ifndef JAX_MOE_GROUPED_GEMM_H_
 #define JAX_MOE_GROUPED_GEMM_H_
 
@@ -21,21 +25,35 @@ constexpr int64_t kGemmAlignElements = 8;
 // Tile configurations, chosen at trace time from the expected rows per expert.
 enum class GemmTile : int64_t {
   kSmallM = 0,  // 64 x 128 tiles, ping-pong warp groups: decode, few rows per expert
-  kLargeM = 1,  // 128 x 256 tiles, cooperative, 1x2 cluster: prefill
+  kLargeM = 1,  // 128 x 256 tiles, cooperative, 1x2 cluster: prefill and training
+};
+
+// Which product of the expert layer (see the top of this file).
+enum class GemmOp : int64_t {
+  kForward = 0,
+  kInputGrad = 1,
+  kWeightGrad = 2,  // always the 128 x 256 tile: its M is K, never small
 };
 
 struct GroupedGemmArgs {
-  const void* rows;               // [>= out_rows, K] bf16, grouped by expert
-  const void* weights;            // [El, K, N] bf16
+  // forward: a = rows [>= out_rows, K], b = w [El, K, N], out [out_rows, N]
+  // input grad: a = d_out [>= out_rows, N], b = w [El, K, N], out [out_rows, K]
+  // weight grad: a = rows [>= R, K], b = d_out [>= R, N], out [El, K, N]; R = out_rows
+  const void* a;
+  const void* b;
   const int32_t* expert_offsets;  // [El + 1]: group g is rows [offsets[g], offsets[g + 1])
-  void* out;                      // [out_rows, N] bf16; rows in no group are zero
-  void* workspace;                // workspace_bytes, 128-byte aligned
+  void* out;                      // bf16; rows (forward, input grad) or experts (weight grad)
+                                  // that no group covers are zero
+  void* workspace;                // workspace_bytes, 128-byte aligned (the handler aligns it up)
   size_t workspace_bytes;
-  int64_t out_rows, num_groups, k, n;
+  int64_t out_rows;               // row bound of the groups (offsets are clamped to it)
+  int64_t num_groups, k, n;       // El and the forward product's K and N
+  GemmOp op;
   GemmTile tile;
 };
 
-// Workspace bytes the grouped GEMM needs for num_groups experts (host arithmetic, no device).
+// Workspace bytes any grouped GEMM op needs for num_groups experts, 128 bytes of alignment slack
+// included (host arithmetic, no device).
 size_t GroupedGemmWorkspaceBytes(int64_t num_groups);
 
 cudaError_t LaunchGroupedGemm(const GroupedGemmArgs& args, cudaStream_t stream);

@@ -1,6 +1,6 @@
-// The CUTLASS side of the grouped GEMM: types shared by every tile configuration, the layout of
-// the per-group argument arrays inside the workspace, and one templated runner. Each tile
-// configuration is instantiated in its own .cu file (they compile in parallel).
+// The CUTLASS side of the grouped GEMMs: operand layouts of each op, the tile configurations, the
+// layout of the per-group argument arrays inside the workspace, and one templated runner. Each
+// (op, tile) configuration is instantiated in its own .cu file (they compile in parallel).
 #ifndef JAX_MOE_GROUPED_GEMM_IMPL_CUH_
 #define JAX_MOE_GROUPED_GEMM_IMPL_CUH_
 
@@ -25,14 +25,44 @@ namespace jax_moe::gemm {
 using Element = cutlass::bfloat16_t;
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
 using Shape = ProblemShape::UnderlyingProblemShape;
-// rows [M_g, K], w[g] [K, N] and out [M_g, N] are all row-major.
-using Layout = cutlass::layout::RowMajor;
+using RowMajor = cutlass::layout::RowMajor;
+using ColumnMajor = cutlass::layout::ColumnMajor;
 constexpr int kAlign = static_cast<int>(kGemmAlignElements);
-// Ptr-array strides (the batch mode is unused): A and D advance by their row length, B (CUTLASS's
-// [N, K] view of w[g]) is N-contiguous and advances by N per k.
-using StrideA = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
-using StrideB = cute::Stride<cute::Int<1>, int64_t, cute::Int<0>>;
-using StrideD = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
+// Ptr-array strides in CUTLASS's (M, K, L) / (N, K, L) / (M, N, L) views, the batch mode unused:
+// one run-time leading dimension each, the other mode contiguous.
+using StrideKContiguous = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;   // row-major A, col-major B
+using StrideMNContiguous = cute::Stride<cute::Int<1>, int64_t, cute::Int<0>>;  // col-major A, row-major B
+using StrideD = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;            // row-major D
+static_assert(sizeof(StrideKContiguous) == sizeof(int64_t) && sizeof(StrideMNContiguous) == sizeof(int64_t),
+              "the workspace keeps one int64 per group and stride");
+
+// Operand layouts of each op (grouped_gemm.h): forward rows [M_g, K] @ w[g] [K, N]; input grad
+// d_out [M_g, N] @ w[g]^T, where w[g] read as [N, K] is K-contiguous ("column-major B"); weight
+// grad rows_g^T [K, M_g] @ d_out_g [M_g, N], whose A is M-contiguous (column-major) and whose
+// reduction runs over the group's rows: K differs per group.
+template <GemmOp kOp>
+struct OpLayouts;
+template <>
+struct OpLayouts<GemmOp::kForward> {
+  using A = RowMajor;
+  using B = RowMajor;
+  using StrideA = StrideKContiguous;
+  using StrideB = StrideMNContiguous;
+};
+template <>
+struct OpLayouts<GemmOp::kInputGrad> {
+  using A = RowMajor;
+  using B = ColumnMajor;
+  using StrideA = StrideKContiguous;
+  using StrideB = StrideKContiguous;
+};
+template <>
+struct OpLayouts<GemmOp::kWeightGrad> {
+  using A = ColumnMajor;
+  using B = RowMajor;
+  using StrideA = StrideMNContiguous;
+  using StrideB = StrideMNContiguous;
+};
 
 // Where each per-group array sits in the workspace: fixed by the group count alone, so the setup
 // kernel and the host agree without passing offsets around. The CUTLASS workspace comes last.
@@ -47,36 +77,42 @@ struct WorkspaceLayout {
     ptr_b = ptr_a + Round(g * sizeof(void*));
     ptr_d = ptr_b + Round(g * sizeof(void*));
     stride_a = ptr_d + Round(g * sizeof(void*));
-    stride_b = stride_a + Round(g * sizeof(StrideA));
-    stride_d = stride_b + Round(g * sizeof(StrideB));
-    cutlass = stride_d + Round(g * sizeof(StrideD));
+    stride_b = stride_a + Round(g * sizeof(int64_t));
+    stride_d = stride_b + Round(g * sizeof(int64_t));
+    cutlass = stride_d + Round(g * sizeof(int64_t));
   }
 };
 
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+template <GemmOp kOp, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 struct Config {
+  using LayoutA = typename OpLayouts<kOp>::A;
+  using LayoutB = typename OpLayouts<kOp>::B;
   // No C operand: D = accumulator, rounded to bf16.
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, Layout*, kAlign, Element, Layout*, kAlign, EpilogueSchedule,
+      void, RowMajor*, kAlign, Element, RowMajor*, kAlign, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<Element, float, void>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout*, kAlign, Element, Layout*, kAlign,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename OpLayouts<kOp>::StrideA;
+  using StrideB = typename OpLayouts<kOp>::StrideB;
   static_assert(std::is_same_v<typename Kernel::InternalStrideA, StrideA>);
   static_assert(std::is_same_v<typename Kernel::InternalStrideB, StrideB>);
   static_assert(std::is_same_v<typename Kernel::InternalStrideD, StrideD>);
 };
 
-using SmallM = Config<cute::Shape<cute::_64, cute::_128, cute::_64>, cute::Shape<cute::_1, cute::_1, cute::_1>,
+template <GemmOp kOp>
+using SmallM = Config<kOp, cute::Shape<cute::_64, cute::_128, cute::_64>, cute::Shape<cute::_1, cute::_1, cute::_1>,
                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                       cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
-using LargeM = Config<cute::Shape<cute::_128, cute::_256, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>,
+template <GemmOp kOp>
+using LargeM = Config<kOp, cute::Shape<cute::_128, cute::_256, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>,
                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 
@@ -90,8 +126,8 @@ typename C::Gemm::Arguments MakeArguments(const GroupedGemmArgs& args, int sm_co
   typename C::Gemm::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {static_cast<int>(args.num_groups), reinterpret_cast<Shape*>(base + layout.shapes), nullptr},
-      {reinterpret_cast<ElementPtr*>(base + layout.ptr_a), reinterpret_cast<StrideA*>(base + layout.stride_a),
-       reinterpret_cast<ElementPtr*>(base + layout.ptr_b), reinterpret_cast<StrideB*>(base + layout.stride_b)},
+      {reinterpret_cast<ElementPtr*>(base + layout.ptr_a), reinterpret_cast<typename C::StrideA*>(base + layout.stride_a),
+       reinterpret_cast<ElementPtr*>(base + layout.ptr_b), reinterpret_cast<typename C::StrideB*>(base + layout.stride_b)},
       {{}, nullptr, nullptr, reinterpret_cast<Element**>(base + layout.ptr_d),
        reinterpret_cast<StrideD*>(base + layout.stride_d)},
       cutlass::KernelHardwareInfo{0, sm_count}};
@@ -122,6 +158,14 @@ cudaError_t RunGemm(const GroupedGemmArgs& args, int sm_count, cudaStream_t stre
   if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
   return cudaGetLastError();
 }
+
+// One (op, tile) configuration's entry points, defined in its own .cu file:
+// Run<Name>(args, sm_count, stream) and <Name>WorkspaceBytes(num_groups).
+#define JAX_MOE_DEFINE_GEMM_CONFIG(NAME, CONFIG)                                          \
+  cudaError_t Run##NAME(const GroupedGemmArgs& args, int sm_count, cudaStream_t stream) { \
+    return RunGemm<CONFIG>(args, sm_count, stream);                                      \
+  }                                                                                       \
+  size_t NAME##WorkspaceBytes(int64_t num_groups) { return CutlassWorkspaceBytes<CONFIG>(num_groups); }
 
 }  // namespace jax_moe::gemm
 

@@ -1,11 +1,9 @@
-// The prefill tile configuration of the grouped GEMM (its own file: CUTLASS kernels compile slowly).
+// The forward prefill tile configuration of the grouped GEMM, in its own file:
+// CUTLASS kernels compile slowly, and separate files compile in parallel.
 #include "grouped_gemm_impl.cuh"
 
 namespace jax_moe::gemm {
 
-cudaError_t RunLargeM(const GroupedGemmArgs& args, int sm_count, cudaStream_t stream) {
-  return RunGemm<LargeM>(args, sm_count, stream);
-}
-size_t LargeMWorkspaceBytes(int64_t num_groups) { return CutlassWorkspaceBytes<LargeM>(num_groups); }
+JAX_MOE_DEFINE_GEMM_CONFIG(ForwardLargeM, LargeM<GemmOp::kForward>)
 
 }  // namespace jax_moe::gemm

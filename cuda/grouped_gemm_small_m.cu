@@ -1,11 +1,9 @@
-// The decode tile configuration of the grouped GEMM (its own file: CUTLASS kernels compile slowly).
+// The forward decode tile configuration of the grouped GEMM, in its own file:
+// CUTLASS kernels compile slowly, and separate files compile in parallel.
 #include "grouped_gemm_impl.cuh"
 
 namespace jax_moe::gemm {
 
-cudaError_t RunSmallM(const GroupedGemmArgs& args, int sm_count, cudaStream_t stream) {
-  return RunGemm<SmallM>(args, sm_count, stream);
-}
-size_t SmallMWorkspaceBytes(int64_t num_groups) { return CutlassWorkspaceBytes<SmallM>(num_groups); }
+JAX_MOE_DEFINE_GEMM_CONFIG(ForwardSmallM, SmallM<GemmOp::kForward>)
 
 }  // namespace jax_moe::gemm

@@ -9,6 +9,7 @@ import jax
 
 PERMUTE_TARGET = "jax_moe_permute"
 UNPERMUTE_TARGET = "jax_moe_unpermute"
+UNPERMUTE_GRAD_TARGET = "jax_moe_unpermute_grad"
 GROUPED_MATMUL_TARGET = "jax_moe_grouped_matmul"  # CUDA only
 
 

@@ -71,12 +71,14 @@ def check_unpermute_args(y, topk_weights, scratch) -> None:
     y_dtype = jnp.dtype(y.dtype)
     if y_dtype not in ROW_DTYPES:
         raise _fail("unpermute", "y", "dtype float16, bfloat16 or float32 (expert outputs)", y_dtype)
-    if y_shape != (config.capacity, config.hidden_size):
-        raise _fail("unpermute", "y",
-                    f"shape ({config.capacity}, {config.hidden_size}) [config.capacity, hidden_size]", y_shape)
     if len(w_shape) != 2 or w_shape[1] != config.top_k or not 1 <= w_shape[0] <= config.max_tokens:
         raise _fail("unpermute", "topk_weights",
                     f"shape (T, {config.top_k}) with 1 <= T <= {config.max_tokens} (config.max_tokens)", w_shape)
+    bound = config.live_row_bound(w_shape[0])
+    if len(y_shape) != 2 or y_shape[1] != config.hidden_size or not bound <= y_shape[0] <= config.capacity:
+        raise _fail("unpermute", "y",
+                    f"shape (R, {config.hidden_size}) with {bound} <= R <= {config.capacity} "
+                    f"(config.live_row_bound(T) <= R <= config.capacity)", y_shape)
     w_dtype = jnp.dtype(topk_weights.dtype)
     if w_dtype not in WEIGHT_DTYPES:
         raise _fail("unpermute", "topk_weights", "dtype float32 or bfloat16", w_dtype)

@@ -102,6 +102,15 @@ class MoEConfig:
         rows = self.max_tokens * self.top_k + self.num_local_experts * (self.align - 1)
         return -(-rows // self.align) * self.align
 
+    def live_row_bound(self, num_tokens: int) -> int:
+        """Static bound on the rows ``permute`` fills for num_tokens tokens: T*k + El*(align-1), aligned.
+
+        Work after ``permute`` (the expert GEMMs, ``unpermute``'s rows) needs only this prefix of
+        the scratch's ``capacity`` rows when a batch has fewer than ``max_tokens`` tokens.
+        """
+        bound = num_tokens * self.top_k + self.num_local_experts * (self.align - 1)
+        return min(self.capacity, -(-bound // self.align) * self.align)
+
     def expert_map_array(self) -> np.ndarray:
         """The [E] int32 global -> local map (identity when ``expert_map`` is None)."""
         if self.expert_map is None:

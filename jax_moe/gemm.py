@@ -1,8 +1,11 @@
-"""Grouped GEMM over the scratch's expert groups: a CUTLASS Hopper custom call on GPU.
+"""Grouped GEMMs over the scratch's expert groups: CUTLASS Hopper custom calls on GPU.
 
 ``grouped_matmul(rows, weights, scratch)`` multiplies each expert's rows (the groups ``permute``
 wrote: ``expert_offsets``) by that expert's weights, reading the groups on the device: no host
-sync, work bounded by the live rows, its per-expert arguments in the scratch's workspace.
+sync, work bounded by the live rows, its per-expert arguments in the scratch's workspace. Its
+backward runs the two other grouped GEMMs of an expert layer, also native on GPU:
+``input_grad`` (``d rows = d out @ w[g]^T``) and ``weight_grad`` (``d w[g] = rows_g^T @ d out_g``,
+a reduction over each expert's own rows). Elsewhere all three are ``jax.lax.ragged_dot``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, MoEScra
 # (decode), 128 x 256 cooperative tiles once experts average this many rows (prefill).
 SMALL_M_TILE, LARGE_M_TILE = 0, 1
 LARGE_M_MIN_ROWS_PER_EXPERT = 128
+# The products of cuda/grouped_gemm.h (GemmOp).
+FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
+
 
 def supports_grouped_matmul(config, hidden_size: int, ffn_size: int) -> bool:
     """Whether the CUDA grouped GEMM can run a SwiGLU layer of these sizes for ``config``."""
@@ -36,56 +42,109 @@ def pick_tile(num_rows: int, num_groups: int) -> int:
     return LARGE_M_TILE if rows_per_expert >= LARGE_M_MIN_ROWS_PER_EXPERT else SMALL_M_TILE
 
 
-def _grouped_matmul_cuda(rows, weights, offsets, workspace, num_rows, tile):
+def backward_workspace(num_groups: int) -> jax.Array:
+    """A workspace for the backward's grouped GEMMs (their per-expert arguments).
+
+    The scratch cannot reach a backward pass (it is state, never a residual: a scan would stack it
+    per layer), so the backward threads this one through its four GEMMs instead. Inside a scanned
+    training step XLA assigns it once, like any temporary of the loop body: a few kilobytes per
+    hundred experts, constant in depth.
+    """
+    words = -(-_native.grouped_matmul_workspace_bytes(num_groups) // 4)
+    return jnp.zeros((max(words, 1),), jnp.int32)
+
+
+def _call(op, a, b, offsets, workspace, out_shape, tile):
     call = jax.ffi.ffi_call(
         _native.GROUPED_MATMUL_TARGET,
-        (jax.ShapeDtypeStruct((num_rows, weights.shape[2]), rows.dtype),
-         jax.ShapeDtypeStruct(workspace.shape, workspace.dtype)),
+        (jax.ShapeDtypeStruct(out_shape, a.dtype), jax.ShapeDtypeStruct(workspace.shape, workspace.dtype)),
         input_output_aliases={3: 1},
         vmap_method="sequential")
-    return fence_results(call(rows, weights, offsets, workspace, tile=np.int64(tile)))
+    out, workspace = call(a, b, offsets, workspace, tile=np.int64(tile), op=np.int64(op))
+    if op != WEIGHT_GRAD:
+        return fence_results((out, workspace))
+    # A weight gradient's one user is the scan's stacking of per-layer gradients: left unfenced,
+    # XLA:GPU may write it straight into its slice of the stacked gradient (no per-layer copy of a
+    # weight-sized buffer). The other results keep the fence (ops.fence_results: results with
+    # several users made that rewrite run a call twice).
+    return out, fence_results(workspace)
+
+
+def _on_cuda(native, fallback, *args):
+    """The CUDA custom call when the program is lowered for a GPU, else the ragged_dot fallback."""
+    if not _native.HAS_CUDA:
+        return fallback(*args)
+    return lax.platform_dependent(*args, cuda=native, default=fallback)
 
 
 def _group_sizes(offsets):
     return (offsets[1:] - offsets[:-1]).astype(jnp.int32)
 
 
-def _ragged_dot(rows, weights, offsets, num_rows):
-    """The same product with ``jax.lax.ragged_dot``: f32 accumulation, rows of no group zero."""
-    out = lax.ragged_dot(rows[:num_rows], weights, _group_sizes(offsets), preferred_element_type=jnp.float32)
-    return out.astype(rows.dtype)
+def _ragged_dot(rows, weights, offsets):
+    return lax.ragged_dot(rows, weights, _group_sizes(offsets), preferred_element_type=jnp.float32)
 
 
-def _grouped_matmul_any(rows, weights, offsets, workspace, num_rows, tile):
-    if not _native.HAS_CUDA:
-        return _ragged_dot(rows, weights, offsets, num_rows), workspace
-    return lax.platform_dependent(
-        rows, weights, offsets, workspace,
-        cuda=lambda r, w, o, ws: _grouped_matmul_cuda(r, w, o, ws, num_rows, tile),
-        default=lambda r, w, o, ws: (_ragged_dot(r, w, o, num_rows), ws))
+def forward(rows, weights, offsets, workspace, num_rows: int, tile: int):
+    """``out [num_rows, N]`` = each group's rows [R, K] @ weights[g] [K, N]; zero rows in no group.
+
+    Returns ``(out, workspace)``. No autodiff rule (``grouped_matmul`` has one).
+    """
+    def fallback(r, w, o, ws):
+        return _ragged_dot(r[:num_rows], w, o).astype(r.dtype), ws
+
+    return _on_cuda(lambda r, w, o, ws: _call(FORWARD, r, w, o, ws, (num_rows, w.shape[2]), tile),
+                    fallback, rows, weights, offsets, workspace)
+
+
+def input_grad(d_out, weights, offsets, workspace, num_rows: int, tile: int):
+    """``d_rows [num_rows, K]`` = each group's d_out [R, N] @ weights[g]^T; zero rows in no group.
+
+    Returns ``(d_rows, workspace)``, d_rows in d_out's dtype (float32 accumulation).
+    """
+    def fallback(g, w, o, ws):
+        return _ragged_dot(g[:num_rows], jnp.swapaxes(w, 1, 2), o).astype(g.dtype), ws
+
+    return _on_cuda(lambda g, w, o, ws: _call(INPUT_GRAD, g, w, o, ws, (num_rows, w.shape[1]), tile),
+                    fallback, d_out, weights, offsets, workspace)
+
+
+def weight_grad(rows, d_out, offsets, workspace, num_groups: int):
+    """``d_weights [El, K, N]`` = each group's rows_g^T [K, M_g] @ d_out_g [M_g, N]; zero for empty groups.
+
+    rows [R, K] and d_out [R, N] share their row order (the groups of offsets). Returns
+    ``(d_weights, workspace)``, d_weights in rows' dtype (float32 accumulation).
+    """
+    def fallback(r, g, o, ws):
+        zeros = jnp.zeros((num_groups, r.shape[1], g.shape[1]), r.dtype)
+        _, vjp = jax.vjp(lambda w: _ragged_dot(r, w, o), zeros)
+        return vjp(g.astype(jnp.float32))[0].astype(r.dtype), ws
+
+    return _on_cuda(lambda r, g, o, ws: _call(WEIGHT_GRAD, r, g, o, ws, (num_groups, r.shape[1], g.shape[1]),
+                                              LARGE_M_TILE),
+                    fallback, rows, d_out, offsets, workspace)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _grouped_matmul(rows, weights, offsets, workspace, num_rows, tile):
-    return _grouped_matmul_any(rows, weights, offsets, workspace, num_rows, tile)
+    return forward(rows, weights, offsets, workspace, num_rows, tile)
 
 
 def _grouped_matmul_fwd(rows, weights, offsets, workspace, num_rows, tile):
-    out = _grouped_matmul_any(rows, weights, offsets, workspace, num_rows, tile)
-    return out, (rows, weights, offsets)
+    out = forward(rows, weights, offsets, workspace, num_rows, tile)
+    # Copies of this call's live rows and groups (never the scratch's buffers themselves), and a
+    # zero-width array that carries rows' row count for free.
+    return out, (rows[:num_rows], weights, offsets, jnp.zeros((rows.shape[0], 0), rows.dtype))
 
 
 def _grouped_matmul_bwd(num_rows, tile, residuals, cotangents):
-    # Backward GEMMs on jax.lax.ragged_dot (d rows = d out @ w[g]^T, d w[g] = rows_g^T @ d out_g).
-    rows, weights, offsets = residuals
-    d_out = cotangents[0]
-    live = jnp.arange(num_rows)[:, None] < offsets[-1]
-    d_out = jnp.where(live, d_out, jnp.zeros((), d_out.dtype)).astype(jnp.float32)
-    product = lambda r, w: lax.ragged_dot(r, w, _group_sizes(offsets), preferred_element_type=jnp.float32)
-    _, vjp = jax.vjp(product, rows[:num_rows].astype(jnp.float32), weights.astype(jnp.float32))
-    d_rows, d_weights = vjp(d_out)
-    d_rows = jnp.pad(d_rows, ((0, rows.shape[0] - num_rows), (0, 0)))
-    return d_rows.astype(rows.dtype), d_weights.astype(weights.dtype), None, None
+    rows, weights, offsets, rows_like = residuals
+    d_out = cotangents[0].astype(rows.dtype)
+    workspace = backward_workspace(weights.shape[0])
+    d_rows, workspace = input_grad(d_out, weights, offsets, workspace, num_rows, tile)
+    d_weights, _ = weight_grad(rows, d_out, offsets, workspace, weights.shape[0])
+    d_rows = jnp.pad(d_rows, ((0, rows_like.shape[0] - num_rows), (0, 0)))
+    return d_rows, d_weights.astype(weights.dtype), None, None
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
@@ -111,7 +170,8 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, scratch: MoEScratch, *,
 
     On a GPU this is the CUDA custom call (CUTLASS sm90 ptr-array grouped GEMM, TMA and
     warp-specialised); elsewhere, or without the CUDA module, ``jax.lax.ragged_dot``. Its gradient
-    uses ``jax.lax.ragged_dot`` for the two backward GEMMs.
+    runs the input- and weight-gradient grouped GEMMs (``input_grad``, ``weight_grad``): native on
+    GPU, bf16 operands with float32 accumulation, no float32 copy of the weights.
     """
     num_rows = check_grouped_matmul_args(rows, weights, scratch, num_rows)
     tile = pick_tile(num_rows, scratch.config.num_local_experts)

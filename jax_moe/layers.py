@@ -8,19 +8,15 @@ deep the stack is, and a jitted step that donates the scratch gets it back in th
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import _validate, gemm
+from jax_moe import _validate
 from jax_moe.config import MoEConfig
+from jax_moe.experts import ExpertFn, run_experts, swiglu_experts  # noqa: F401 (swiglu_experts: public here too)
 from jax_moe.ops import permute, unpermute
 from jax_moe.scratch import MoEScratch
-
-# expert_fn(layer_params, rows [R, H], group_sizes [El] int32) -> rows_out [R, H] (rows' dtype).
-ExpertFn = Callable[[dict, jax.Array, jax.Array], jax.Array]
 
 PARAM_NAMES = ("router", "gate_up", "down")
 
@@ -61,9 +57,12 @@ def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size
 
 def router_scores(router: jax.Array, x: jax.Array, config: MoEConfig) -> jax.Array:
     """[T, E] float32 router scores: softmax over all E, or sigmoid, as ``config.scoring`` says."""
-    # Full float32 precision: on GPUs XLA's default f32 dot is TF32, whose rounding can flip the
-    # top-k choice between close experts. The [T, H] x [H, E] router GEMM is cheap either way.
-    logits = jnp.dot(x, router, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    # Full float32 precision for float32 operands: on GPUs XLA's default f32 dot is TF32, whose
+    # rounding can flip the top-k choice between close experts. bf16 products are exact in float32
+    # already, and asking HIGHEST of bf16 operands could make XLA upcast the router weights.
+    exact = jnp.float32 in (jnp.dtype(x.dtype), jnp.dtype(router.dtype))
+    logits = jnp.dot(x, router, preferred_element_type=jnp.float32,
+                     precision=lax.Precision.HIGHEST if exact else None)
     return jax.nn.softmax(logits, axis=-1) if config.scoring == "softmax" else jax.nn.sigmoid(logits)
 
 
@@ -83,32 +82,6 @@ def route(router: jax.Array, x: jax.Array, config: MoEConfig) -> tuple[jax.Array
     if config.renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, ids.astype(jnp.int32)
-
-
-def _gated_silu(hidden: jax.Array, dtype) -> jax.Array:
-    """SwiGLU's activation of the fused [R, 2F] gate/up product, in float32, cast to dtype."""
-    gate, up = jnp.split(hidden.astype(jnp.float32), 2, axis=-1)
-    return (jax.nn.silu(gate) * up).astype(dtype)
-
-
-def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """The default experts: SwiGLU as two ``jax.lax.ragged_dot`` grouped GEMMs.
-
-    Args:
-      layer_params: one layer's params; ``gate_up`` [El, H, 2F] and ``down`` [El, F, H] are used.
-      rows: [R, H] rows grouped by local expert (expert e owns ``group_sizes[e]`` consecutive rows).
-      group_sizes: [El] int32. Rows past ``sum(group_sizes)`` come out zero (ragged_dot's rule).
-
-    Returns:
-      [R, H] of rows' dtype: ``down_e(silu(gate_e(row)) * up_e(row))`` for each row's expert e.
-      Accumulation and the activation are in float32.
-    """
-    hidden = jax.lax.ragged_dot(rows, layer_params["gate_up"].astype(rows.dtype), group_sizes,
-                                preferred_element_type=jnp.float32)
-    activated = _gated_silu(hidden, rows.dtype)
-    out = jax.lax.ragged_dot(activated, layer_params["down"].astype(rows.dtype), group_sizes,
-                             preferred_element_type=jnp.float32)
-    return out.astype(rows.dtype)
 
 
 def rms_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -138,69 +111,6 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
             raise ValueError(
                 f"{op}: params[{name!r}]: expected shape {shape} ({layout}... with H={hidden}, E={experts}, "
                 f"El={local}, gate_up last axis 2F even), got {have}")
-
-
-def live_row_bound(config, num_tokens: int) -> int:
-    """Static bound on the rows permute fills for num_tokens tokens: T*k + El*(align-1), aligned."""
-    bound = num_tokens * config.top_k + config.num_local_experts * (config.align - 1)
-    return min(config.capacity, -(-bound // config.align) * config.align)
-
-
-def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, num_tokens: int):
-    """``swiglu_experts`` on the CUDA grouped GEMM: gate/up as one GEMM of width 2F, then down.
-
-    Reads the rows and groups from the scratch and threads its workspace through both GEMMs.
-    Returns ``([R_cap, H] rows for unpermute, scratch)``. The gate/up product is rounded to the
-    rows' dtype before the activation (the ragged_dot path keeps it in float32).
-    """
-    config = scratch.config
-    dtype = config.dtype
-    live_bound = live_row_bound(config, num_tokens)
-    hidden, scratch = gemm.grouped_matmul(scratch.permuted, layer_params["gate_up"].astype(dtype), scratch,
-                                          num_rows=live_bound)
-    activated = _gated_silu(hidden, dtype)
-    out, scratch = gemm.grouped_matmul(activated, layer_params["down"].astype(dtype), scratch)
-    if live_bound < config.capacity:
-        out = jnp.pad(out, ((0, config.capacity - live_bound), (0, 0)))
-    return out, scratch
-
-
-def uses_grouped_matmul(layer_params: dict, config) -> bool:
-    """Whether ``moe_layer``'s default experts run on the CUDA grouped GEMM (GPU, bf16, aligned sizes)."""
-    ffn_size = layer_params["down"].shape[-2]
-    return jax.default_backend() == "gpu" and gemm.supports_grouped_matmul(config, config.hidden_size, ffn_size)
-
-
-def experts_on_scratch(expert_fn: ExpertFn, layer_params, scratch: MoEScratch, num_tokens: int) -> jax.Array:
-    """Runs the experts on the rows that can be live, returns [R_cap, H] for ``unpermute``.
-
-    At most ``T*k + El*(align-1)`` rows are live for T tokens (static), so when the scratch was
-    sized for more tokens only that prefix goes through the GEMMs; the rest is zero (never read).
-    """
-    config = scratch.config
-    live_bound = live_row_bound(config, num_tokens)
-    rows = scratch.permuted if live_bound == config.capacity else scratch.permuted[:live_bound]
-    out = expert_fn(layer_params, rows, scratch.group_sizes)
-    if out.shape != rows.shape or out.dtype != rows.dtype:
-        raise ValueError(f"moe_layer: expert_fn: expected it to return {rows.dtype}{list(rows.shape)} "
-                         f"(rows' shape and dtype), got {out.dtype}{list(out.shape)}")
-    if live_bound < config.capacity:
-        out = jnp.pad(out, ((0, config.capacity - live_bound), (0, 0)))
-    return out
-
-
-def run_experts(expert_fn: ExpertFn | None, layer_params: dict, scratch: MoEScratch,
-                num_tokens: int) -> tuple[jax.Array, MoEScratch]:
-    """The experts on a permuted scratch: ``(rows_out [R_cap, H] for unpermute, scratch)``.
-
-    ``expert_fn`` None is SwiGLU: on the CUDA grouped GEMM where ``uses_grouped_matmul`` says so
-    (GPU, bf16, aligned sizes), else on ``jax.lax.ragged_dot``. Both the single-device layer and
-    the expert-parallel one (on its received rows) come through here.
-    """
-    if expert_fn is None and uses_grouped_matmul(layer_params, scratch.config):
-        return swiglu_experts_grouped(layer_params, scratch, num_tokens)
-    expert_fn = swiglu_experts if expert_fn is None else expert_fn
-    return experts_on_scratch(expert_fn, layer_params, scratch, num_tokens), scratch
 
 
 def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,

@@ -99,37 +99,49 @@ def _permute_bwd(dest, cotangent: MoEScratch):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
+def _unpermute_grad_native(d_out, y, topk_weights, dest, src):
+    call = jax.ffi.ffi_call(
+        _native.UNPERMUTE_GRAD_TARGET,
+        (jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(topk_weights.shape, jnp.float32)),
+        vmap_method=_VMAP_METHOD)
+    return fence_results(call(d_out, y, topk_weights, dest, src))
+
+
+def invert_dest(dest: jax.Array, num_rows: int) -> jax.Array:
+    """[num_rows] int32 flat route of each row that a route of ``dest`` [T, k] points at, else -1.
+
+    The rows' ``src_index`` for unpermute's backward, which keeps no scratch buffer, by one scatter.
+    """
+    flat = jnp.arange(dest.size, dtype=jnp.int32)
+    rows = jnp.where(dest.reshape(-1) >= 0, dest.reshape(-1), num_rows)  # dropped: out of range
+    return jnp.full((num_rows,), -1, jnp.int32).at[rows].set(flat, mode="drop")
+
+
 @jax.custom_vjp
 def unpermute_by_dest(y, topk_weights, dest_index):
     """``unpermute`` from a ``dest_index`` [>= T, k] int32 array instead of a scratch (no checks).
 
     The differentiable core of ``unpermute``, also used by the expert-parallel combine, whose
-    destination rows are not a scratch's.
+    destination rows are not a scratch's. Its backward is native too (``jax_moe_unpermute_grad``):
+    d y[dest[t, j]] = w[t, j] * d out[t] (zero rows where no route points), d w[t, j] =
+    <y[dest[t, j]], d out[t]>.
     """
     return _unpermute_any(y, topk_weights, dest_index)
 
 
 def _unpermute_fwd(y, topk_weights, dest_index):
-    dest = dest_index[:topk_weights.shape[0]]
-    # Residuals: the [T, k, H] rows the routes read (not all R_cap rows of y, which matters when
-    # T < max_tokens), and a zero-width array that carries y's row count and dtype for free.
-    gathered = jnp.where((dest >= 0)[:, :, None], y[jnp.maximum(dest, 0)], jnp.zeros((), y.dtype))
-    y_like = jnp.zeros((y.shape[0], 0), y.dtype)
-    return _unpermute_any(y, topk_weights, dest_index), (gathered, topk_weights, dest, y_like)
+    # Residuals: y itself (the expert outputs, never a scratch buffer), w and a copy of this call's
+    # [T, k] dest_index (the scratch's is overwritten by the next layer). Each row's route is
+    # recomputed in the backward by one scatter rather than kept: no scratch buffer is a residual.
+    return _unpermute_any(y, topk_weights, dest_index), (y, topk_weights, dest_index[:topk_weights.shape[0]])
 
 
 def _unpermute_bwd(residuals, d_out):
-    gathered, topk_weights, dest, y_like = residuals
-    kept = dest >= 0
-    d_out32 = d_out.astype(jnp.float32)
-    # d y[dest[t, j]] = w[t, j] * d out[t]; rows no route points at (padding, past the end) get 0.
-    num_rows, hidden = y_like.shape[0], d_out.shape[1]
-    scatter_rows = jnp.where(kept, dest, num_rows).reshape(-1)
-    contributions = (topk_weights.astype(jnp.float32)[:, :, None] * d_out32[:, None, :]).reshape(-1, hidden)
-    dy = jnp.zeros((num_rows, hidden), jnp.float32).at[scatter_rows].set(contributions, mode="drop")
-    # d w[t, j] = <y[dest[t, j]], d out[t]>, zero for dropped routes.
-    dw = jnp.where(kept, jnp.einsum("tkh,th->tk", gathered.astype(jnp.float32), d_out32), 0.0)
-    return dy.astype(y_like.dtype), dw.astype(topk_weights.dtype), None
+    y, topk_weights, dest = residuals
+    src = invert_dest(dest, y.shape[0])
+    d_y, d_w = _on_platform(_unpermute_grad_native, reference.unpermute_grad_unchecked,
+                            d_out.astype(y.dtype), y, topk_weights, dest, src)
+    return d_y, d_w.astype(topk_weights.dtype), None
 
 
 unpermute_by_dest.defvjp(_unpermute_fwd, _unpermute_bwd)
@@ -158,8 +170,9 @@ def unpermute(y: jax.Array, topk_weights: jax.Array, scratch: MoEScratch) -> jax
     """Gathers each token's expert outputs back and sums them weighted (DESIGN.md §3).
 
     Args:
-      y: [R_cap, H] float16/bfloat16/float32 expert outputs in the permuted row order of the last
-        ``permute`` on ``scratch``.
+      y: [R, H] float16/bfloat16/float32 expert outputs in the permuted row order of the last
+        ``permute`` on ``scratch``: all R_cap rows, or at least the live rows' static bound
+        ``config.live_row_bound(T)`` (rows past it are never read).
       topk_weights: [T, k] float32 or bfloat16 router weights; T must be the T of that permute.
       scratch: the scratch returned by that ``permute`` (only ``dest_index`` is read).
 

@@ -57,7 +57,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_moe._validate import _fail
 from jax_moe.config import MoEConfig
-from jax_moe.layers import ExpertFn, check_layer_params, rms_norm, route, run_experts
+from jax_moe.experts import ExpertFn, run_experts
+from jax_moe.layers import check_layer_params, rms_norm, route
 from jax_moe.ops import permute, unpermute, unpermute_by_dest
 from jax_moe.scratch import BUFFER_NAMES, MoEScratch, buffer_shapes, init_scratch
 
@@ -451,7 +452,7 @@ def moe_layer_ep(layer_params: dict, x: jax.Array, scratch: ExpertParallelScratc
         mesh axes, if any, replicate the computation.
       expert_fn: as in ``moe_layer``, applied per device to its El local experts: it gets
         ``{"router", "gate_up" [El, H, 2F], "down" [El, F, H]}`` (only these three params are passed
-        into the ``shard_map``). None: SwiGLU, as ``moe_layer`` runs it (``layers.run_experts``).
+        into the ``shard_map``). None: SwiGLU, as ``moe_layer`` runs it (``experts.run_experts``).
 
     Returns:
       ``(y, scratch, dropped)``: y [T, H] x's dtype, sharded over the axis like x; the scratch to

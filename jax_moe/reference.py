@@ -92,3 +92,32 @@ def unpermute_unchecked(y: jax.Array, topk_weights: jax.Array, dest_index: jax.A
         rows = y[jnp.maximum(dest[:, j], 0)].astype(jnp.float32)
         acc = jnp.where(kept, acc + topk_weights[:, j:j + 1].astype(jnp.float32) * rows, acc)
     return acc.astype(y.dtype)
+
+
+def unpermute_grad_unchecked(d_out: jax.Array, y: jax.Array, topk_weights: jax.Array, dest_index: jax.Array,
+                             src_index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``unpermute``'s backward without validation (the native ``jax_moe_unpermute_grad``'s contract).
+
+    Args:
+      d_out: [T, H] cotangent of unpermute's output, y's dtype.
+      y: [R, H] the rows unpermute read.
+      topk_weights: [T, k] float32 or bfloat16.
+      dest_index: [T, k] int32 permuted row of each route, -1 when dropped.
+      src_index: [R] int32 flat route ``t*k + j`` of each row, -1 for rows of no route.
+
+    Returns:
+      ``(d_y [R, H] y.dtype, d_weights [T, k] float32)``: ``d_y[r] = w[s] * d_out[s // k]`` for the
+      route s of row r (zero for rows of no route), each product rounded once from float32;
+      ``d_weights[t, j] = <y[dest[t, j]], d_out[t]>`` in float32, zero for dropped routes.
+    """
+    num_tokens, top_k = topk_weights.shape
+    num_routes = num_tokens * top_k
+    routed = (src_index >= 0) & (src_index < num_routes)
+    route = jnp.where(routed, src_index, 0)
+    w = topk_weights.reshape(-1)[route].astype(jnp.float32)
+    g = d_out[route // top_k].astype(jnp.float32)
+    d_y = jnp.where(routed[:, None], w[:, None] * g, 0.0).astype(y.dtype)
+    kept = (dest_index >= 0) & (dest_index < y.shape[0])
+    rows = y[jnp.where(kept, dest_index, 0)].astype(jnp.float32)  # [T, k, H]
+    d_w = jnp.einsum("tkh,th->tk", rows, d_out.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return d_y, jnp.where(kept, d_w, 0.0)

@@ -281,3 +281,27 @@ def large_cases() -> list[Case]:
         _case("large_ep_T1024_E256_k8_H7168_bf16_map_align16", num_experts=256, top_k=8, hidden_size=7168,
               max_tokens=1024, dtype="bfloat16", expert_map=_noncontiguous_map(256, 32, 7), align=16),
     ]
+
+
+# Routing corner cases of the grouped GEMM tests (forward and backward), on a 16-expert config of
+# H=256, top_k=2, max_tokens=300: keyword overrides of that MoEConfig, plus num_tokens (default 300)
+# and ids(T, k) (default: random distinct experts).
+GROUPED_GEMM_EDGE_CASES = {
+    "T=1": dict(num_tokens=1),
+    "all-rows-one-expert": dict(ids=lambda T, k: np.stack([np.full(T, 3)] + [np.full(T, -1)] * (k - 1), 1)),
+    "empty-experts": dict(ids=lambda T, k: np.stack([np.arange(T) % 2 * 5 + j for j in range(k)], 1)),
+    "dropped-routes": dict(ids=lambda T, k: np.where(np.arange(T * k).reshape(T, k) % 3 == 0, -1,
+                                                     np.arange(T * k).reshape(T, k) % 16)),
+    "align-8": dict(align=8),
+    "align-8-partial-batch": dict(align=8, num_tokens=200),
+    "expert-map": dict(expert_map=tuple(-1 if e % 4 == 0 else e - e // 4 - 1 for e in range(16))),
+}
+
+
+def grouped_gemm_edge_case(name: str) -> tuple[dict, int, np.ndarray | None]:
+    """(MoEConfig keyword arguments without dtype, num_tokens, ids [T, k] or None) of a case above."""
+    spec = dict(GROUPED_GEMM_EDGE_CASES[name])
+    num_tokens = spec.pop("num_tokens", 300)
+    ids = spec.pop("ids", None)
+    config = dict(num_experts=16, top_k=2, hidden_size=256, max_tokens=300, **spec)
+    return config, num_tokens, None if ids is None else ids(num_tokens, 2)

@@ -1,5 +1,6 @@
 """A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths,
-padding, an expert map, dropped routes, odd H, all row dtypes. Prints one line per case.
+padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward; the grouped
+GEMM forward and its input- and weight-gradient kernels. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
 """
@@ -29,8 +30,10 @@ for case in CASES:
     scratch = jax_moe.init_scratch(config)
     scratch = jax.jit(jax_moe.permute, donate_argnums=2)(case.x, case.topk_ids, scratch)
     y = np.random.default_rng(0).standard_normal((config.capacity, config.hidden_size)).astype(case.x.dtype)
-    out = jax.jit(jax_moe.unpermute)(y, case.topk_weights, scratch)
-    print(case.name, "live rows", int(scratch.expert_offsets[-1]), "out finite", bool(np.isfinite(np.asarray(out, np.float32)).all()))
+    out, vjp = jax.vjp(lambda y, w: jax_moe.unpermute(y, w, scratch), y, case.topk_weights)
+    d_y, d_w = jax.jit(vjp)(np.ones(out.shape, out.dtype))
+    finite = all(bool(np.isfinite(np.asarray(a, np.float32)).all()) for a in (out, d_y, d_w))
+    print(case.name, "live rows", int(scratch.expert_offsets[-1]), "out and gradients finite", finite)
 
 # The grouped GEMM on the same groups: bf16 with align padding and empty experts, both tiles.
 for num_tokens in (24, 3000):
@@ -41,5 +44,9 @@ for num_tokens in (24, 3000):
     scratch = jax.jit(jax_moe.permute)(x, ids, jax_moe.init_scratch(config))
     w = (rng.standard_normal((64, 256, 512)) / 16).astype(jax.numpy.bfloat16)
     out, scratch = jax.jit(jax_moe.grouped_matmul)(scratch.permuted, w, scratch)
+    # Its backward: the input-gradient (both tiles) and weight-gradient kernels, empty experts zeroed.
+    loss = lambda r, w: jax.numpy.sum(jax_moe.grouped_matmul(r, w, scratch)[0].astype(np.float32))
+    d_rows, d_w = jax.jit(jax.grad(loss, argnums=(0, 1)))(scratch.permuted, w)
+    finite = all(bool(np.isfinite(np.asarray(a, np.float32)).all()) for a in (out, d_rows, d_w))
     print("grouped_matmul T", num_tokens, "live rows", int(scratch.expert_offsets[-1]),
-          "out finite", bool(np.isfinite(np.asarray(out, np.float32)).all()))
+          "out and gradients finite", finite, "empty experts' d_w zero", not np.asarray(d_w[20:], np.float32).any())

@@ -197,13 +197,12 @@ def test_custom_vjp_residuals_hold_no_scratch_buffer():
     buffers = _scratch_types(fresh)
     _, vjp_permute = jax.vjp(lambda x: permute(x, OPS_IDS, fresh).permuted, x)
     _, vjp_unpermute = jax.vjp(lambda y, w: unpermute(y, w, scratch), y, w)
-    # permute keeps only this call's [T, k] destinations; unpermute the [T, k, H] rows its routes
-    # read, w, the [T, k] destinations and a zero-width stand-in for y's row count. Neither keeps
-    # a scratch buffer (T = 5 < T_max = 6, so the [T, k] slice is not dest_index itself).
+    # permute keeps only this call's [T, k] destinations; unpermute y (the expert outputs it was
+    # given), w and the [T, k] destinations. Neither keeps a scratch buffer (T = 5 < T_max = 6, so
+    # the [T, k] slice is not dest_index itself; src_index is recomputed by the backward).
     assert _residual_types(vjp_permute) == [("int32", (5, 2))]
     assert sorted(_residual_types(vjp_unpermute)) == sorted(
-        [("float32", w.shape + (y.shape[1],)), ("float32", w.shape), ("int32", (5, 2)),
-         ("float32", (y.shape[0], 0))])
+        [("float32", y.shape), ("float32", w.shape), ("int32", (5, 2))])
     scratch_residuals = set(_residual_types(vjp_permute)) & set(buffers.values())
     assert not scratch_residuals
 

@@ -13,7 +13,9 @@ import re
 import jax
 import pytest
 
-from jax_moe.bench import cli, gemm_suite, permute_suite, report, stack_suite, timing
+import jax.numpy as jnp
+
+from jax_moe.bench import cli, gemm_suite, permute_suite, report, stack_suite, timing, train_suite
 from jax_moe.bench.models import MODELS
 
 TINY = MODELS["tiny"]
@@ -141,6 +143,33 @@ def test_gemm_suite_measures_each_implementation_and_the_layer(monkeypatch):
     text = gemm_suite.table(rows)
     assert "| tiny | 64 |" in text and "Whole MoE layer" in text and "fwd+bwd" in text
     assert f"| {layer['jax_moe/fwd+bwd']['us']:.0f} |" in text
+
+
+def test_timing_loop_keeps_every_output():
+    """A timed program must run every output's work: a harness that read one leaf lost the rest."""
+    def fn(a, b):  # the second output is the only matrix product
+        return (a + 1.0, jnp.dot(a, b)), (a, b)
+
+    ops = (jnp.ones((64, 64)), jnp.ones((64, 64)))
+    has_dot = lambda program: bool(re.search(r"\bdot\(", jax.jit(program).lower(ops).compile().as_text()))
+    assert has_dot(gemm_suite.loop_program(fn, 2))
+    # The flaw this guards against: consuming only the first leaf compiles the product away.
+    first_leaf_only = lambda out: jax.tree.leaves(out)[0].reshape(-1)[0]
+    assert not has_dot(gemm_suite.loop_program(fn, 2, consume=first_leaf_only))
+
+
+def test_train_suite_runs_jax_moe_and_baseline_steps():
+    rows, notes = train_suite.run([TINY], (8,), timing.Clock(), 1, with_peer=False)
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == {"jax_moe", "baseline"}, rows
+    for row in by.values():
+        assert row["step_us"] > 0 and _close(row["us_per_layer"], row["step_us"] / train_suite.LAYERS["tiny"])
+        assert _close(row["tflops"], row["flops_per_layer"] / row["us_per_layer"] / 1e6)
+        assert row["flops_per_layer"] == 3 * 2 * 8 * TINY.top_k * TINY.hidden_size * 3 * TINY.ffn_size
+        assert row["peak_bytes"] > 0
+    assert any("peer: not run" in n for n in notes)
+    text = train_suite.table(rows)
+    assert "| tiny | 8 |" in text and f"{by['jax_moe']['us_per_layer']:,.0f}" in text
 
 
 def test_measure_isolated_keeps_rows_and_notes_a_failure():

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import jax_moe
-from jax_moe import MoEConfig, gemm, init_scratch, layers, permute
+from jax_moe import MoEConfig, gemm, init_scratch, permute
 from jax_moe.bench.models import MODELS
+from cases import GROUPED_GEMM_EDGE_CASES as GPU_EDGE_CASES, grouped_gemm_edge_case
 
 BF16 = jnp.bfloat16
 
@@ -152,28 +153,15 @@ def test_gpu_model_shapes_match_ragged_dot(name, num_tokens):
     _check(jnp.asarray(hidden[:, :ffn], BF16), down, scratch)
 
 
-GPU_EDGE_CASES = {
-    "T=1": dict(num_tokens=1),
-    "all-rows-one-expert": dict(ids=lambda T, k: np.stack([np.full(T, 3)] + [np.full(T, -1)] * (k - 1), 1)),
-    "empty-experts": dict(ids=lambda T, k: np.stack([np.arange(T) % 2 * 5 + j for j in range(k)], 1)),
-    "dropped-routes": dict(ids=lambda T, k: np.where(np.arange(T * k).reshape(T, k) % 3 == 0, -1,
-                                                     np.arange(T * k).reshape(T, k) % 16)),
-    "align-8": dict(align=8),
-    "expert-map": dict(expert_map=tuple(-1 if e % 4 == 0 else e - e // 4 - 1 for e in range(16))),
-}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_EDGE_CASES))
 def test_gpu_edge_cases_match_ragged_dot(case):
-    spec = dict(GPU_EDGE_CASES[case])
-    num_tokens = spec.pop("num_tokens", 300)
-    ids = spec.pop("ids", None)
-    config = MoEConfig(num_experts=16, top_k=2, hidden_size=256, max_tokens=300, dtype=BF16, **spec)
-    scratch = _routed(config, num_tokens, None if ids is None else ids(num_tokens, 2))
+    kwargs, num_tokens, ids = grouped_gemm_edge_case(case)
+    config = MoEConfig(dtype=BF16, **kwargs)
+    scratch = _routed(config, num_tokens, ids)
     w = _weights(config.num_local_experts, 256, 512)
     _check(scratch.permuted, w, scratch)
-    _check(scratch.permuted, w, scratch, num_rows=layers.live_row_bound(config, num_tokens))
+    _check(scratch.permuted, w, scratch, num_rows=config.live_row_bound(num_tokens))
 
 
 # K and N off the tiles' multiples: the 128 x 256 tile's 1x2 cluster has an odd count of N tiles

@@ -1,6 +1,6 @@
 """Benchmarks of jax_moe on the device: ``python -m jax_moe.bench --suite NAME``.
 
-NAME is permute, stack, gemm, parallel, or all (every suite but parallel).
+NAME is permute, stack, gemm, parallel, train, or all (every suite but parallel and train).
 
 Suite ``permute`` (issue 3): per layer, inside a jitted ``lax.scan`` of L layers, jax_moe permute,
 unpermute and the pair (scratch donated, and the pair not donated); the pure-JAX baselines
@@ -14,7 +14,13 @@ scratch donated or not, vs ``baseline_moe_stack``), rolled and unrolled.
 
 Suite ``gemm`` (issue 8): the expert GEMMs on ``grouped_matmul`` against ``ragged_dot``, Pallas
 ``ragged_dot_mgpu`` and a dense ``jnp.dot``, and the whole layer against the pure-JAX layer
-(``gemm_suite``, which also says how each op is timed).
+(``gemm_suite``, which also says how each op is timed; every output of a timed op is consumed,
+``timing.consume_all``, or XLA would drop the work of the outputs nobody reads).
+
+Suite ``train`` (issue 13; not in ``all``): one jitted training step (value_and_grad, all gradients
+as outputs) of ``moe_stack`` against the pure-JAX stack and the PyTorch + Hugging Face peer, run
+in its own process before JAX takes the card (``train_suite``). ``train_profile`` prints a step's
+device time per kernel.
 
 Suite ``parallel`` (issues 6, 7; not in ``all``): the expert-parallel stack per layer on every
 device JAX sees, its share of time in all-to-all, and the single-device stack of the same problem

@@ -25,7 +25,6 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
 
     import jax_moe
-    from jax_moe import layers
     from jax_moe.bench import gemm_suite
     from jax_moe.bench.models import MODELS
 
@@ -36,7 +35,7 @@ def main(argv=None) -> None:
     hidden, n = model.hidden_size, 2 * model.ffn_size
     weights = (jax.random.normal(key, (config.num_local_experts, hidden, n), jnp.float32)
                / hidden ** 0.5).astype(jnp.bfloat16)
-    live = layers.live_row_bound(config, args.tokens)
+    live = config.live_row_bound(args.tokens)
     step = jax.jit(lambda w, s: jax_moe.grouped_matmul(s.permuted, w, s, num_rows=live))
     for _ in range(args.calls):
         out, scratch = step(weights, scratch)

@@ -12,13 +12,12 @@ Timing: METHOD below.
 
 from __future__ import annotations
 
-import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 import jax_moe
-from jax_moe import baseline, gemm, layers
+from jax_moe import baseline, experts, gemm
 from jax_moe.bench import timing
 from jax_moe.bench.models import ModelShape
 
@@ -50,9 +49,27 @@ NOTES = [
     "accumulation; rows routed uniformly at random.",
     "weight GB/s: bytes of the experts that own at least one row / time; copy: jax_moe_bench_copy "
     "of 1 GiB, (read + write bytes) / time.",
-    "jax_moe: the backward pass uses jax.lax.ragged_dot for its two GEMMs per projection (as the "
-    "baseline does); 'fwd+bwd' times value_and_grad of sum(y) with respect to the params and x.",
+    "jax_moe: the backward pass runs the native input- and weight-gradient grouped GEMMs; the baseline "
+    "differentiates ragged_dot. 'fwd+bwd' times value_and_grad of sum(y) with respect to the params and "
+    "x, every gradient leaf consumed.",
 ]
+
+
+def loop_program(fn, n: int, consume=timing.consume_all):
+    """``program(operands) -> float32``: ``fn`` called n times in a ``fori_loop``, every output consumed.
+
+    ``fn(*operands) -> (out, operands)``; the operands are threaded from call to call behind an
+    optimisation barrier (nothing is hoisted), and ``consume`` turns each call's outputs into the
+    scalar the loop accumulates (a test swaps it to show what a harness that drops outputs loses).
+    """
+    def program(ops):
+        def body(_, carry):
+            ops, acc = carry
+            ops = lax.optimization_barrier(ops)
+            out, ops = fn(*ops)
+            return ops, acc + consume(out)
+        return lax.fori_loop(0, n, body, (ops, jnp.float32(0)))[1]
+    return program
 
 
 def _timed(fn, operands) -> dict:
@@ -60,16 +77,7 @@ def _timed(fn, operands) -> dict:
 
     The operands returned are the next call's (a scratch threads through, written in place).
     """
-    def program(n, ops):
-        def body(_, carry):
-            ops, acc = carry
-            ops = lax.optimization_barrier(ops)
-            out, ops = fn(*ops)
-            leaf = lax.optimization_barrier(jax.tree.leaves(out)[0])
-            return ops, acc + leaf.reshape(-1)[0].astype(jnp.float32)
-        return lax.fori_loop(0, n, body, (ops, jnp.float32(0)))[1]
-
-    compiled = {n: jax.jit(functools.partial(program, n)).lower(operands).compile() for n in REPEATS}
+    compiled = {n: jax.jit(loop_program(fn, n)).lower(operands).compile() for n in REPEATS}
     # timing.per_layer_seconds (the permute suite's harness) alternates and differences the two;
     # the "state" it threads is just the probe scalar here: every call starts from the operands.
     programs = {n: (lambda _state, _routing, c=compiled[n]: c(operands)) for n in REPEATS}
@@ -94,7 +102,7 @@ def measure_gemm(model: ModelShape, tokens: int, clock, notes) -> list[dict]:
     scratch, _ = _routed_scratch(config, tokens, key)
     H, N = model.hidden_size, 2 * model.ffn_size
     weights = (jax.random.normal(key, (config.num_local_experts, H, N), jnp.float32) / H ** 0.5).astype(jnp.bfloat16)
-    live = layers.live_row_bound(config, tokens)
+    live = config.live_row_bound(tokens)
     rows = scratch.permuted[:live]
     sizes = scratch.group_sizes
     active = int((sizes > 0).sum())
@@ -169,7 +177,7 @@ def measure_layer(model: ModelShape, tokens: int, clock) -> list[dict]:
         impls["baseline/fwd+bwd"] = (with_grad(base), (layer_params, x))
     rows = []
     for name, (fn, operands) in impls.items():
-        row = {"model": model.name, "T": tokens, "impl": name, "grouped_gemm": layers.uses_grouped_matmul(
+        row = {"model": model.name, "T": tokens, "impl": name, "grouped_gemm": experts.uses_grouped_matmul(
             layer_params, config) if name.startswith("jax_moe") else False}
         try:
             row["us"] = _timed(fn, operands)["s"] * 1e6

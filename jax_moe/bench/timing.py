@@ -10,6 +10,8 @@ import warnings
 from typing import Any, Callable, Hashable
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 WARMUP_CALLS = 2  # the first calls load kernels and record command buffers (CUDA graphs)
 TARGET_SECONDS = 0.15  # wall time one measurement aims at; sets the repeat count ...
@@ -112,6 +114,19 @@ def measure_isolated(rows: list, notes: list, clock: Clock, failure: str, measur
         clock.log(notes[-1])
     if on_rows:
         on_rows(rows, notes)
+
+
+def consume_all(tree) -> jax.Array:
+    """A float32 scalar that depends on EVERY leaf of ``tree``, for in-graph timing loops.
+
+    XLA deletes what no output reads: a timing loop that kept one leaf of a gradient (d down) once
+    timed a quarter of the backward. All leaves pass through one optimisation barrier, which
+    materialises each in full (XLA neither fuses nor slices through it), and one element of each
+    leaf after it feeds the scalar, so no leaf's computation is dead.
+    """
+    leaves = jax.tree.leaves(lax.optimization_barrier(tree))
+    return sum((leaf.reshape(-1)[0].astype(jnp.float32) for leaf in leaves if leaf.size),
+               start=jnp.float32(0))
 
 
 def _call_blocking(program, state, *args) -> tuple[float, Any]:

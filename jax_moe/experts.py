@@ -1,0 +1,156 @@
+"""The experts on permuted rows: SwiGLU on ``jax.lax.ragged_dot``, or on the CUDA grouped GEMMs.
+
+Between ``permute`` and ``unpermute`` each local expert e applies ``down_e(silu(gate_e(r)) *
+up_e(r))`` to its rows r. Two implementations:
+- ``swiglu_experts``: two ``jax.lax.ragged_dot`` calls, differentiated by JAX (any device, any
+  dtype; the reference of the layer tests).
+- ``swiglu_experts_grouped``: the CUDA grouped GEMMs (``jax_moe.gemm``) on the scratch's groups,
+  with a hand-written backward: four more grouped GEMMs (input and weight gradient of each
+  projection), bf16 operands and float32 accumulation, no float32 copy of any weight.
+``run_experts`` picks one for a layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_moe import gemm
+from jax_moe.scratch import MoEScratch
+
+# expert_fn(layer_params, rows [R, H], group_sizes [El] int32) -> rows_out [R, H] (rows' dtype).
+ExpertFn = Callable[[dict, jax.Array, jax.Array], jax.Array]
+
+
+def gated_silu(hidden: jax.Array, dtype) -> jax.Array:
+    """SwiGLU's activation of the fused [R, 2F] gate/up product, in float32, cast to dtype."""
+    gate, up = jnp.split(hidden.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(dtype)
+
+
+def gated_silu_grad(hidden: jax.Array, d_activated: jax.Array) -> jax.Array:
+    """[R, 2F] cotangent of ``gated_silu``'s input from its output's [R, F], in float32, hidden's dtype."""
+    gate, up = jnp.split(hidden.astype(jnp.float32), 2, axis=-1)
+    d_act = d_activated.astype(jnp.float32)
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
+    return jnp.concatenate([d_gate, d_act * silu], axis=-1).astype(hidden.dtype)
+
+
+def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The default experts: SwiGLU as two ``jax.lax.ragged_dot`` grouped GEMMs.
+
+    Args:
+      layer_params: one layer's params; ``gate_up`` [El, H, 2F] and ``down`` [El, F, H] are used.
+      rows: [R, H] rows grouped by local expert (expert e owns ``group_sizes[e]`` consecutive rows).
+      group_sizes: [El] int32. Rows past ``sum(group_sizes)`` come out zero (ragged_dot's rule).
+
+    Returns:
+      [R, H] of rows' dtype: ``down_e(silu(gate_e(row)) * up_e(row))`` for each row's expert e.
+      Accumulation and the activation are in float32.
+    """
+    hidden = jax.lax.ragged_dot(rows, layer_params["gate_up"].astype(rows.dtype), group_sizes,
+                                preferred_element_type=jnp.float32)
+    activated = gated_silu(hidden, rows.dtype)
+    out = jax.lax.ragged_dot(activated, layer_params["down"].astype(rows.dtype), group_sizes,
+                             preferred_element_type=jnp.float32)
+    return out.astype(rows.dtype)
+
+
+def _swiglu_forward(rows, gate_up, down, offsets, workspace, num_rows, tile):
+    hidden, workspace = gemm.forward(rows, gate_up, offsets, workspace, num_rows, tile)
+    out, workspace = gemm.forward(gated_silu(hidden, rows.dtype), down, offsets, workspace, num_rows, tile)
+    return out, workspace, hidden
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _swiglu_grouped(rows, gate_up, down, offsets, workspace, num_rows, tile):
+    out, workspace, _ = _swiglu_forward(rows, gate_up, down, offsets, workspace, num_rows, tile)
+    return out, workspace
+
+
+def _swiglu_grouped_fwd(rows, gate_up, down, offsets, workspace, num_rows, tile):
+    out, workspace, hidden = _swiglu_forward(rows, gate_up, down, offsets, workspace, num_rows, tile)
+    # Residuals: this layer's live rows and groups (copies: the next layer overwrites the scratch),
+    # the [num_rows, 2F] gate/up product (the activation is recomputed from it: [num_rows, F] less
+    # to keep), the weights by reference, and a zero-width array carrying the scratch's row count.
+    residuals = (rows[:num_rows], hidden, offsets, gate_up, down, jnp.zeros((rows.shape[0], 0), rows.dtype))
+    return (out, workspace), residuals
+
+
+def _swiglu_grouped_bwd(num_rows, tile, residuals, cotangents):
+    rows, hidden, offsets, gate_up, down, rows_like = residuals
+    d_out = cotangents[0].astype(rows.dtype)
+    num_groups = gate_up.shape[0]
+    workspace = gemm.backward_workspace(num_groups)
+    d_activated, workspace = gemm.input_grad(d_out, down, offsets, workspace, num_rows, tile)
+    d_down, workspace = gemm.weight_grad(gated_silu(hidden, rows.dtype), d_out, offsets, workspace, num_groups)
+    d_hidden = gated_silu_grad(hidden, d_activated)
+    d_rows, workspace = gemm.input_grad(d_hidden, gate_up, offsets, workspace, num_rows, tile)
+    d_gate_up, _ = gemm.weight_grad(rows, d_hidden, offsets, workspace, num_groups)
+    d_rows = jnp.pad(d_rows, ((0, rows_like.shape[0] - num_rows), (0, 0)))
+    return d_rows, d_gate_up.astype(gate_up.dtype), d_down.astype(down.dtype), None, None
+
+
+_swiglu_grouped.defvjp(_swiglu_grouped_fwd, _swiglu_grouped_bwd)
+
+
+def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, num_tokens: int):
+    """``swiglu_experts`` on the CUDA grouped GEMMs: gate/up as one GEMM of width 2F, then down.
+
+    Reads the rows and groups from the scratch and threads its workspace through both GEMMs.
+    Returns ``([live_row_bound(T), H] rows for unpermute, scratch)``: only the rows T tokens can
+    fill are computed. The gate/up product is rounded to the rows' dtype before the activation
+    (the ragged_dot path keeps it in float32). Differentiable: its backward runs the input- and
+    weight-gradient grouped GEMMs of both projections, recomputing the activation from the saved
+    gate/up product; the weight gradients come out in the weights' dtype.
+    """
+    config = scratch.config
+    dtype = config.dtype
+    num_rows = config.live_row_bound(num_tokens)
+    tile = gemm.pick_tile(num_rows, config.num_local_experts)
+    out, workspace = _swiglu_grouped(scratch.permuted, layer_params["gate_up"].astype(dtype),
+                                     layer_params["down"].astype(dtype), scratch.expert_offsets, scratch.workspace,
+                                     num_rows, tile)
+    return out, scratch.replace(workspace=lax.stop_gradient(workspace))
+
+
+def uses_grouped_matmul(layer_params: dict, config) -> bool:
+    """Whether ``moe_layer``'s default experts run on the CUDA grouped GEMM (GPU, bf16, aligned sizes)."""
+    ffn_size = layer_params["down"].shape[-2]
+    return jax.default_backend() == "gpu" and gemm.supports_grouped_matmul(config, config.hidden_size, ffn_size)
+
+
+def experts_on_scratch(expert_fn: ExpertFn, layer_params, scratch: MoEScratch, num_tokens: int) -> jax.Array:
+    """Runs ``expert_fn`` on the rows that can be live; returns them ([live_row_bound(T), H]).
+
+    At most ``T*k + El*(align-1)`` rows are live for T tokens (static), so when the scratch was
+    sized for more tokens only that prefix goes through the GEMMs (``unpermute`` reads no more).
+    """
+    config = scratch.config
+    live_bound = config.live_row_bound(num_tokens)
+    rows = scratch.permuted if live_bound == config.capacity else scratch.permuted[:live_bound]
+    out = expert_fn(layer_params, rows, scratch.group_sizes)
+    if out.shape != rows.shape or out.dtype != rows.dtype:
+        raise ValueError(f"moe_layer: expert_fn: expected it to return {rows.dtype}{list(rows.shape)} "
+                         f"(rows' shape and dtype), got {out.dtype}{list(out.shape)}")
+    return out
+
+
+def run_experts(expert_fn: ExpertFn | None, layer_params: dict, scratch: MoEScratch,
+                num_tokens: int) -> tuple[jax.Array, MoEScratch]:
+    """The experts on a permuted scratch: ``(rows_out [live_row_bound(T), H] for unpermute, scratch)``.
+
+    ``expert_fn`` None is SwiGLU: on the CUDA grouped GEMM where ``uses_grouped_matmul`` says so
+    (GPU, bf16, aligned sizes), else on ``jax.lax.ragged_dot``. Both the single-device layer and
+    the expert-parallel one (on its received rows) come through here.
+    """
+    if expert_fn is None and uses_grouped_matmul(layer_params, scratch.config):
+        return swiglu_experts_grouped(layer_params, scratch, num_tokens)
+    expert_fn = swiglu_experts if expert_fn is None else expert_fn
+    return experts_on_scratch(expert_fn, layer_params, scratch, num_tokens), scratch
