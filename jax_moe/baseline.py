@@ -12,7 +12,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_moe.config import MoEConfig
-from jax_moe.layers import ExpertFn, check_layer_params, rms_norm, route, swiglu_experts
+from jax_moe.experts import ExpertFn, shared_experts, swiglu_experts
+from jax_moe.layers import check_layer_params, rms_norm
+from jax_moe.routing import route
 
 
 def argsort_permute(x: jax.Array, topk_ids: jax.Array, num_experts: int):
@@ -81,10 +83,11 @@ def baseline_moe_layer(layer_params: dict, x: jax.Array, config: MoEConfig,
     """``jax_moe.moe_layer`` without a scratch: argsort permute, experts, argsort unpermute.
 
     Args:
-      layer_params: one layer's params: ``router`` [H, E], ``gate_up`` [El, H, 2F], ``down`` [El, F, H].
+      layer_params: one layer's params: ``router`` [H, E], ``gate_up`` [El, H, 2F], ``down`` [El, F, H],
+        and the optional ``router_bias`` and shared expert leaves, as ``moe_layer`` takes them.
       x: [T, H] rows (``config.dtype`` for a like-for-like comparison).
-      config: the ``MoEConfig`` (scoring, renormalisation, expert_map are honoured; align is not
-        needed: it only pads).
+      config: the ``MoEConfig`` (its routing and expert_map are honoured; align is not needed: it
+        only pads).
       expert_fn: as in ``moe_layer``; None means ``swiglu_experts``.
 
     Returns:
@@ -92,12 +95,14 @@ def baseline_moe_layer(layer_params: dict, x: jax.Array, config: MoEConfig,
     """
     check_layer_params("baseline_moe_layer", layer_params, config, stacked=False)
     expert_fn = swiglu_experts if expert_fn is None else expert_fn
-    weights, ids = route(layer_params["router"], x, config)
+    weights, ids = route(layer_params["router"], x, config, layer_params.get("router_bias"))
     ids, weights, num_groups = _local_routes(ids, weights, config)
     permuted, group_sizes, order = argsort_permute(x, ids, num_groups)
     # With an expert map the dropped bucket is last; ragged_dot leaves its rows zero.
     rows_out = expert_fn(layer_params, permuted, group_sizes[:config.num_local_experts])
-    return argsort_unpermute(rows_out, weights, order)
+    y = argsort_unpermute(rows_out, weights, order)
+    shared = shared_experts(layer_params, x)
+    return y if shared is None else y + shared
 
 
 def baseline_moe_stack(params: dict, x: jax.Array, config: MoEConfig, *, unroll: int | bool = 1,

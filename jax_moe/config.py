@@ -34,8 +34,18 @@ class MoEConfig:
         this device". The non-negative entries must be exactly 0..El-1, each once. None means
         identity (El = E).
       align: each expert's segment is padded to a multiple of ``align`` rows.
-      scoring: router scoring used by ``moe_layer``: "softmax" or "sigmoid".
-      renormalize: whether ``moe_layer`` renormalises the top-k weights to sum to 1.
+      scoring: router scoring used by ``moe_layer``: "softmax" over all E (Mixtral, Qwen) or
+        "sigmoid" per expert (DeepSeek-V3).
+      renormalize: whether ``moe_layer`` renormalises the top-k weights to sum to 1 (Mixtral,
+        Qwen3-MoE, Qwen3.5-MoE, DeepSeek-V3: yes; Qwen2-MoE: ``norm_topk_prob=False`` by default).
+      renormalize_epsilon: added to the top-k sum before dividing (DeepSeek-V3: 1e-20).
+      n_group, topk_group: group-limited routing (DeepSeek-V3): the E experts form ``n_group``
+        equal groups, a group scores the sum of its two best (bias-corrected) scores, and only the
+        ``topk_group`` best groups are eligible. ``n_group=1`` means no groups.
+      routed_scaling_factor: the routed experts' weights are multiplied by it after
+        renormalisation (DeepSeek-V3: 2.5).
+      A per-expert correction bias (DeepSeek-V3's ``e_score_correction_bias``) is a param leaf,
+      ``router_bias`` [E]: added to the scores for choosing only, never to the weights.
     """
 
     num_experts: int
@@ -47,9 +57,13 @@ class MoEConfig:
     align: int = 1
     scoring: str = "softmax"
     renormalize: bool = True
+    renormalize_epsilon: float = 0.0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
-        for name in ("num_experts", "top_k", "hidden_size", "max_tokens", "align"):
+        for name in ("num_experts", "top_k", "hidden_size", "max_tokens", "align", "n_group", "topk_group"):
             object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         try:
             dtype = jnp.dtype(self.dtype)
@@ -61,11 +75,33 @@ class MoEConfig:
         if self.scoring not in SCORINGS:
             raise ValueError(f"MoEConfig.scoring: expected one of {SCORINGS}, got {self.scoring!r}")
         object.__setattr__(self, "renormalize", bool(self.renormalize))
+        self._check_routing()
         if self.expert_map is not None:
             object.__setattr__(self, "expert_map", self._checked_expert_map(self.expert_map))
         if self.num_local_experts > MAX_LOCAL_EXPERTS:
             raise ValueError(f"MoEConfig: expected at most {MAX_LOCAL_EXPERTS} local experts, got "
                              f"{self.num_local_experts}")
+
+    def _check_routing(self) -> None:
+        for name in ("renormalize_epsilon", "routed_scaling_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+                    or not np.isfinite(value) or value < 0 or (name == "routed_scaling_factor" and value == 0):
+                raise ValueError(f"MoEConfig.{name}: expected a finite float "
+                                 f"{'> 0' if name == 'routed_scaling_factor' else '>= 0'}, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.n_group == 1:
+            if self.topk_group != 1:
+                raise ValueError(f"MoEConfig.topk_group: expected 1 when n_group is 1, got {self.topk_group}")
+            return
+        per_group = self.num_experts // self.n_group
+        if self.num_experts % self.n_group or per_group < 2:
+            raise ValueError(f"MoEConfig.n_group: expected a divisor of num_experts={self.num_experts} leaving at "
+                             f"least 2 experts per group (a group scores its two best), got {self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group or self.topk_group * per_group < self.top_k:
+            raise ValueError(f"MoEConfig.topk_group: expected 1 <= topk_group <= n_group={self.n_group} with "
+                             f"topk_group * {per_group} experts per group >= top_k={self.top_k}, "
+                             f"got {self.topk_group}")
 
     def _checked_expert_map(self, expert_map) -> tuple[int, ...]:
         values = np.asarray(expert_map)

@@ -7,7 +7,8 @@ up_e(r))`` to its rows r. Two implementations:
 - ``swiglu_experts_grouped``: the CUDA grouped GEMMs (``jax_moe.gemm``) on the scratch's groups,
   with a hand-written backward: four more grouped GEMMs (input and weight gradient of each
   projection), bf16 operands and float32 accumulation, no float32 copy of any weight.
-``run_experts`` picks one for a layer.
+``run_experts`` picks one for a layer. ``shared_experts`` is the dense SwiGLU expert every token
+goes through in DeepSeek-V3 and Qwen2/3.5-MoE, optionally scaled by a sigmoid gate.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from jax_moe.scratch import MoEScratch
 
 # expert_fn(layer_params, rows [R, H], group_sizes [El] int32) -> rows_out [R, H] (rows' dtype).
 ExpertFn = Callable[[dict, jax.Array, jax.Array], jax.Array]
+# The optional shared expert's param leaves: SwiGLU [H, 2Fs] and [Fs, H], and a [H, 1] gate.
+SHARED_NAMES = ("shared_gate_up", "shared_down", "shared_gate")
 
 
 def gated_silu(hidden: jax.Array, dtype) -> jax.Array:
@@ -60,6 +63,30 @@ def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) 
     out = jax.lax.ragged_dot(activated, layer_params["down"].astype(rows.dtype), group_sizes,
                              preferred_element_type=jnp.float32)
     return out.astype(rows.dtype)
+
+
+def _dense(x, w):
+    """x @ w with float32 accumulation (full float32 precision for float32 operands, not TF32)."""
+    exact = jnp.float32 in (jnp.dtype(x.dtype), jnp.dtype(w.dtype))
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32,
+                   precision=lax.Precision.HIGHEST if exact else None)
+
+
+def shared_experts(layer_params: dict, x: jax.Array) -> jax.Array | None:
+    """The shared expert's output for tokens x [T, H], x's dtype, or None when the params have none.
+
+    ``down(silu(gate(x)) * up(x))`` with ``shared_gate_up`` [H, 2Fs] (gate first) and ``shared_down``
+    [Fs, H], float32 accumulation and activation; scaled by ``sigmoid(x @ shared_gate)`` when the
+    params hold a ``shared_gate`` [H, 1] (Qwen2-MoE, Qwen3.5-MoE), plain otherwise (DeepSeek-V3,
+    whose ``n_shared_experts`` experts are one of width ``n_shared_experts * F``).
+    """
+    if "shared_gate_up" not in layer_params:
+        return None
+    hidden = _dense(x, layer_params["shared_gate_up"])
+    out = _dense(gated_silu(hidden, x.dtype), layer_params["shared_down"])
+    if "shared_gate" in layer_params:
+        out = out * jax.nn.sigmoid(_dense(x, layer_params["shared_gate"]))
+    return out.astype(x.dtype)
 
 
 def _swiglu_forward(rows, gate_up, down, offsets, workspace, num_rows, tile):

@@ -4,6 +4,7 @@ No classes with hidden state: parameters are a pytree of arrays stacked on a lea
 the scratch is a ``MoEScratch`` passed in and returned. ``moe_stack`` is a ``lax.scan`` over the
 layer axis with the scratch in the carry, so the compiled program holds a single scratch however
 deep the stack is, and a jitted step that donates the scratch gets it back in the same buffers.
+Expert parallelism builds on this module (``jax_moe.parallel``: ``moe_layer_ep``, ``moe_stack_ep``).
 """
 
 from __future__ import annotations
@@ -12,16 +13,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import _validate
+from jax_moe import _validate, routing
 from jax_moe.config import MoEConfig
-from jax_moe.experts import ExpertFn, run_experts, swiglu_experts  # noqa: F401 (swiglu_experts: public here too)
+from jax_moe.experts import (SHARED_NAMES, ExpertFn, run_experts, shared_experts,  # noqa: F401
+                             swiglu_experts)
 from jax_moe.ops import permute, unpermute
+from jax_moe.routing import route, router_logits, router_scores  # noqa: F401 (public here too, as before)
 from jax_moe.scratch import MoEScratch
 
 PARAM_NAMES = ("router", "gate_up", "down")
+# Optional leaves: the correction bias of DeepSeek-V3's routing, and shared experts.
+OPTIONAL_PARAM_NAMES = ("router_bias",) + SHARED_NAMES
 
 
-def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size: int, dtype=None) -> dict:
+def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size: int, dtype=None, *,
+                    shared_ffn_size: int | None = None, shared_gate: bool = False,
+                    router_bias: bool = False) -> dict:
     """Random parameters of ``num_layers`` MoE layers, stacked on a leading layer axis.
 
     Args:
@@ -30,58 +37,47 @@ def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size
       num_layers: L, the number of layers.
       ffn_size: F, each expert's intermediate size.
       dtype: parameter dtype; None means ``config.dtype``.
+      shared_ffn_size: Fs, the width of a shared SwiGLU expert every token goes through (DeepSeek-V3:
+        ``n_shared_experts * F``; Qwen2/3.5-MoE: ``shared_expert_intermediate_size``); None: none.
+      shared_gate: the shared expert's output is scaled by ``sigmoid(x @ shared_gate)`` (Qwen).
+      router_bias: a float32 [E] correction bias for choosing experts (DeepSeek-V3), zeros.
 
     Returns:
-      ``{"router": [L, H, E], "gate_up": [L, El, H, 2F], "down": [L, El, F, H]}`` of ``dtype``.
-      ``gate_up[..., :F]`` is the SwiGLU gate, ``gate_up[..., F:]`` the up projection. Only the El
-      local experts of ``config.expert_map`` have weights (local index order).
+      ``{"router": [L, H, E], "gate_up": [L, El, H, 2F], "down": [L, El, F, H]}`` of ``dtype``, plus
+      ``shared_gate_up`` [L, H, 2Fs], ``shared_down`` [L, Fs, H], ``shared_gate`` [L, H, 1] and
+      ``router_bias`` [L, E] when asked for. ``gate_up[..., :F]`` is the SwiGLU gate,
+      ``gate_up[..., F:]`` the up projection. Only the El local experts of ``config.expert_map``
+      have weights (local index order).
     """
     if not isinstance(config, MoEConfig):
         raise ValueError(f"init_moe_params: config: expected a MoEConfig, got {type(config).__name__}")
-    for name, value in (("num_layers", num_layers), ("ffn_size", ffn_size)):
+    for name, value in (("num_layers", num_layers), ("ffn_size", ffn_size), ("shared_ffn_size", shared_ffn_size)):
+        if name == "shared_ffn_size" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"init_moe_params: {name}: expected a positive integer, got {value!r}")
+    if shared_gate and shared_ffn_size is None:
+        raise ValueError("init_moe_params: shared_gate: expected shared_ffn_size too (a gate needs a shared expert)")
     dtype = config.dtype if dtype is None else jnp.dtype(dtype)
     hidden, experts, local = config.hidden_size, config.num_experts, config.num_local_experts
-    router_key, gate_up_key, down_key = jax.random.split(key, 3)
+    keys = jax.random.split(key, 6)
 
     def normal(k, shape, fan_in):
         return (jax.random.normal(k, shape, jnp.float32) / jnp.sqrt(jnp.float32(fan_in))).astype(dtype)
 
-    return {
-        "router": normal(router_key, (num_layers, hidden, experts), hidden),
-        "gate_up": normal(gate_up_key, (num_layers, local, hidden, 2 * ffn_size), hidden),
-        "down": normal(down_key, (num_layers, local, ffn_size, hidden), ffn_size),
+    params = {
+        "router": normal(keys[0], (num_layers, hidden, experts), hidden),
+        "gate_up": normal(keys[1], (num_layers, local, hidden, 2 * ffn_size), hidden),
+        "down": normal(keys[2], (num_layers, local, ffn_size, hidden), ffn_size),
     }
-
-
-def router_scores(router: jax.Array, x: jax.Array, config: MoEConfig) -> jax.Array:
-    """[T, E] float32 router scores: softmax over all E, or sigmoid, as ``config.scoring`` says."""
-    # Full float32 precision for float32 operands: on GPUs XLA's default f32 dot is TF32, whose
-    # rounding can flip the top-k choice between close experts. bf16 products are exact in float32
-    # already, and asking HIGHEST of bf16 operands could make XLA upcast the router weights.
-    exact = jnp.float32 in (jnp.dtype(x.dtype), jnp.dtype(router.dtype))
-    logits = jnp.dot(x, router, preferred_element_type=jnp.float32,
-                     precision=lax.Precision.HIGHEST if exact else None)
-    return jax.nn.softmax(logits, axis=-1) if config.scoring == "softmax" else jax.nn.sigmoid(logits)
-
-
-def route(router: jax.Array, x: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array]:
-    """Router scores -> top-k weights and ids, as ``config.scoring`` and ``config.renormalize`` say.
-
-    Args:
-      router: [H, E] router weights.
-      x: [T, H] rows.
-      config: the layer's ``MoEConfig``.
-
-    Returns:
-      ``(topk_weights [T, k] float32, topk_ids [T, k] int32)``: global expert ids, weights from
-      softmax (over all E) or sigmoid scores, renormalised over the k chosen when configured.
-    """
-    weights, ids = lax.top_k(router_scores(router, x, config), config.top_k)
-    if config.renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32)
+    if shared_ffn_size is not None:
+        params["shared_gate_up"] = normal(keys[3], (num_layers, hidden, 2 * shared_ffn_size), hidden)
+        params["shared_down"] = normal(keys[4], (num_layers, shared_ffn_size, hidden), shared_ffn_size)
+    if shared_gate:
+        params["shared_gate"] = normal(keys[5], (num_layers, hidden, 1), hidden)
+    if router_bias:
+        params["router_bias"] = jnp.zeros((num_layers, experts), jnp.float32)
+    return params
 
 
 def rms_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -96,100 +92,145 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
         raise ValueError(f"{op}: params: expected a dict with keys {PARAM_NAMES} (from init_moe_params), "
                          f"got {type(layer_params).__name__}"
                          + (f" with keys {sorted(layer_params)}" if isinstance(layer_params, dict) else ""))
+    unknown = sorted(set(layer_params) - set(PARAM_NAMES) - set(OPTIONAL_PARAM_NAMES))
+    if unknown:
+        raise ValueError(f"{op}: params: expected keys among {PARAM_NAMES + OPTIONAL_PARAM_NAMES}, got unknown "
+                         f"{unknown}")
     lead = (jnp.shape(layer_params["router"])[0],) if stacked and jnp.ndim(layer_params["router"]) else ()
     hidden, experts, local = config.hidden_size, config.num_experts, config.num_local_experts
     ffn2 = jnp.shape(layer_params["gate_up"])[-1] if jnp.ndim(layer_params["gate_up"]) else -1
+    shared2 = jnp.shape(layer_params["shared_gate_up"])[-1] if jnp.ndim(layer_params.get("shared_gate_up", 0)) else -1
     want = {
         "router": lead + (hidden, experts),
         "gate_up": lead + (local, hidden, ffn2),
         "down": lead + (local, ffn2 // 2, hidden),
+        "router_bias": lead + (experts,),
+        "shared_gate_up": lead + (hidden, shared2),
+        "shared_down": lead + (shared2 // 2, hidden),
+        "shared_gate": lead + (hidden, 1),
     }
+    layout = "[L, " if stacked else "["
     for name, shape in want.items():
+        if name not in layer_params:
+            continue
         have = tuple(jnp.shape(layer_params[name]))
-        if have != shape or ffn2 < 2 or ffn2 % 2:
-            layout = "[L, " if stacked else "["
+        width = ffn2 if name in PARAM_NAMES else shared2
+        if have != shape or (name != "router_bias" and name != "shared_gate" and (width < 2 or width % 2)):
             raise ValueError(
                 f"{op}: params[{name!r}]: expected shape {shape} ({layout}... with H={hidden}, E={experts}, "
-                f"El={local}, gate_up last axis 2F even), got {have}")
+                f"El={local}, gate_up last axes 2F and 2Fs even), got {have}")
+    if ("shared_gate_up" in layer_params) != ("shared_down" in layer_params) or (
+            "shared_gate" in layer_params and "shared_gate_up" not in layer_params):
+        present = sorted(n for n in SHARED_NAMES if n in layer_params)
+        raise ValueError(f"{op}: params: expected shared_gate_up and shared_down together (shared_gate only with "
+                         f"them), got {present}")
+
+
+def _flat_tokens(op: str, x, config: MoEConfig) -> jax.Array:
+    """x [..., H] -> [T, H] (T = all leading elements); a wrong H is a ValueError here."""
+    shape = tuple(jnp.shape(x))
+    if len(shape) < 1 or shape[-1] != config.hidden_size:
+        raise ValueError(f"{op}: x: expected shape [..., {config.hidden_size}] (hidden_size last), got {shape}")
+    return jnp.reshape(x, (-1, config.hidden_size))
+
+
+def _moved_to_parallel(op: str, mesh, axis_name) -> None:
+    if mesh is not None or axis_name is not None:
+        raise ValueError(f"{op}: mesh/axis_name: expert parallelism is jax_moe.{op}_ep(..., mesh=, axis_name=) "
+                         f"(with init_scratch_ep and shard_params); got mesh={mesh!r}, axis_name={axis_name!r}")
 
 
 def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
-              expert_fn: ExpertFn | None = None, *, mesh=None, axis_name: str | None = None):
+              expert_fn: ExpertFn | None = None, *, with_aux: bool = False, mesh=None, axis_name: str | None = None):
     """One MoE layer: route, ``permute`` into the scratch, grouped experts, ``unpermute``.
 
     Args:
       layer_params: one layer's params (``init_moe_params`` sliced at a layer): ``router`` [H, E],
-        ``gate_up`` [El, H, 2F], ``down`` [El, F, H].
-      x: [T, H] of ``scratch.config.dtype``, T <= ``config.max_tokens``.
+        ``gate_up`` [El, H, 2F], ``down`` [El, F, H]; optional ``router_bias`` [E] (added to the
+        scores for choosing only) and a shared expert ``shared_gate_up`` [H, 2Fs], ``shared_down``
+        [Fs, H], ``shared_gate`` [H, 1] (see ``init_moe_params``). Routing as ``scratch.config``
+        says (``jax_moe.routing``).
+      x: [..., H] of ``scratch.config.dtype``: any leading batch axes, at most ``config.max_tokens``
+        tokens in all (they are flattened inside, and the shape restored on return).
       scratch: the shared ``MoEScratch``; written in place when donated. Do not reuse the argument.
       expert_fn: ``expert_fn(layer_params, rows [R, H], group_sizes [El] int32) -> [R, H]`` rows'
         dtype, where rows past ``sum(group_sizes)`` must not affect the others. None means SwiGLU:
         on a GPU with a bf16 config, ``swiglu_experts_grouped`` (the CUDA grouped GEMM,
         ``jax_moe.grouped_matmul``); otherwise ``swiglu_experts`` (``jax.lax.ragged_dot``).
+      with_aux: also return the router's training signals.
 
     Returns:
-      ``(y, scratch)``: y [T, H] of x's dtype, the router-weighted sum of each token's k expert
-      outputs (dropped routes of ``config.expert_map`` contribute 0), and the scratch to pass on.
-      The returned scratch is state, not a differentiable output (its gradient is stopped).
+      ``(y, scratch)``: y of x's shape and dtype, the router-weighted sum of each token's k expert
+      outputs (dropped routes of ``config.expert_map`` contribute 0) plus the shared expert's output,
+      and the scratch to pass on (state, not a differentiable output: its gradient is stopped). With
+      ``with_aux``: ``(y, scratch, aux)``, aux = ``{"router_logits": [T, E] float32,
+      "expert_counts": [E] int32}`` (routes per global expert) for ``jax_moe.routing``'s losses.
 
-    Expert parallel: with ``mesh`` and ``axis_name`` this is ``jax_moe.parallel.moe_layer_ep``
-    (scratch from ``init_scratch_ep``, params from ``shard_params``) and returns ``(y, scratch,
-    dropped)``, dropped being the routes the per-peer capacity dropped.
+    Expert parallel: ``jax_moe.moe_layer_ep`` (this module sits below ``jax_moe.parallel``).
     """
-    if mesh is not None or axis_name is not None:
-        from jax_moe import parallel  # imported here: parallel builds on this module
-        return parallel.moe_layer_ep(layer_params, x, scratch, mesh=mesh, axis_name=axis_name,
-                                     expert_fn=expert_fn)
+    _moved_to_parallel("moe_layer", mesh, axis_name)
     if not isinstance(scratch, MoEScratch):
         raise ValueError(f"moe_layer: scratch: expected a MoEScratch (from jax_moe.init_scratch), "
                          f"got {type(scratch).__name__}")
     config = scratch.config
     check_layer_params("moe_layer", layer_params, config, stacked=False)
-    weights, ids = route(layer_params["router"], x, config)
+    tokens = _flat_tokens("moe_layer", x, config)
+    logits = routing.router_logits(layer_params["router"], tokens)
+    weights, ids = routing.route_logits(logits, config, layer_params.get("router_bias"))
     # The scratch is state, not a differentiable value: stopping its gradient on the way in and
     # out keeps it out of autodiff entirely (otherwise custom_vjp instantiates a zero [R_cap, H]
     # tangent for it and a scanned stack carries that tangent through every layer). It lowers to
     # nothing, so the buffers still flow straight from one aliased call to the next.
-    scratch = permute(x, ids, lax.stop_gradient(scratch))
-    rows_out, scratch = run_experts(expert_fn, layer_params, scratch, x.shape[0])
+    scratch = permute(tokens, ids, lax.stop_gradient(scratch))
+    rows_out, scratch = run_experts(expert_fn, layer_params, scratch, tokens.shape[0])
     y = unpermute(rows_out, weights, scratch)
-    return y, lax.stop_gradient(scratch)
+    shared = shared_experts(layer_params, tokens)
+    if shared is not None:
+        y = y + shared
+    y = jnp.reshape(y, jnp.shape(x))
+    scratch = lax.stop_gradient(scratch)
+    if not with_aux:
+        return y, scratch
+    return y, scratch, {"router_logits": logits, "expert_counts": routing.expert_counts(ids, config.num_experts)}
 
 
 def moe_stack(params: dict, x: jax.Array, scratch: MoEScratch, *, unroll: int | bool = 1,
-              expert_fn: ExpertFn | None = None, mesh=None, axis_name: str | None = None):
+              expert_fn: ExpertFn | None = None, with_aux: bool = False, mesh=None, axis_name: str | None = None):
     """L pre-norm residual MoE layers as one ``lax.scan`` with the scratch in the carry.
 
     Each layer computes ``x = x + moe_layer(params[l], rms_norm(x), scratch)``.
 
     Args:
-      params: ``init_moe_params`` output, leaves stacked on a leading layer axis L.
-      x: [T, H] of ``scratch.config.dtype``.
+      params: ``init_moe_params`` output (or ``jax_moe.hf.load_moe``'s), leaves stacked on a
+        leading layer axis L.
+      x: [..., H] of ``scratch.config.dtype`` (leading batch axes flattened inside, restored).
       scratch: the ONE ``MoEScratch`` shared by all layers. Donate it to the enclosing ``jax.jit``
         (``donate_argnums``) to have it written in place and returned in the same buffers.
       unroll: passed to ``lax.scan`` (an int, or True for a fully unrolled loop).
       expert_fn: as in ``moe_layer``.
+      with_aux: also return every layer's router signals, stacked.
 
     Returns:
-      ``(x_out, scratch)``: x_out [T, H] of x's dtype, and the scratch to pass to the next step.
+      ``(x_out, scratch)``: x_out of x's shape and dtype, and the scratch to pass to the next step.
+      With ``with_aux``: ``(x_out, scratch, aux)``, aux = ``{"router_logits": [L, T, E] float32,
+      "expert_counts": [L, E] int32}`` (feed ``jax_moe.routing.load_balancing_loss``,
+      ``router_z_loss``, ``update_router_bias``).
 
-    Expert parallel: with ``mesh`` and ``axis_name`` this is ``jax_moe.parallel.moe_stack_ep`` and
-    returns ``(x_out, scratch, dropped [L])``.
+    Expert parallel: ``jax_moe.moe_stack_ep``.
     """
-    if mesh is not None or axis_name is not None:
-        from jax_moe import parallel  # imported here: parallel builds on this module
-        return parallel.moe_stack_ep(params, x, scratch, mesh=mesh, axis_name=axis_name, unroll=unroll,
-                                     expert_fn=expert_fn)
+    _moved_to_parallel("moe_stack", mesh, axis_name)
     if not isinstance(scratch, MoEScratch):
         raise ValueError(f"moe_stack: scratch: expected a MoEScratch (from jax_moe.init_scratch), "
                          f"got {type(scratch).__name__}")
     check_layer_params("moe_stack", params, scratch.config, stacked=True)
     _validate.check_scratch("moe_stack", scratch)
+    tokens = _flat_tokens("moe_stack", x, scratch.config)
 
     def body(carry, layer_params):
         h, s = carry
-        y, s = moe_layer(layer_params, rms_norm(h), s, expert_fn)
-        return (h + y, s), None
+        y, s, aux = moe_layer(layer_params, rms_norm(h), s, expert_fn, with_aux=True)
+        return (h + y, s), (aux if with_aux else None)
 
-    (x, scratch), _ = lax.scan(body, (x, scratch), params, unroll=unroll)
-    return x, scratch
+    (tokens, scratch), aux = lax.scan(body, (tokens, scratch), params, unroll=unroll)
+    out = jnp.reshape(tokens, jnp.shape(x))
+    return (out, scratch, aux) if with_aux else (out, scratch)

@@ -13,7 +13,7 @@ Layout (one mesh axis ``axis_name`` of size n; E global experts, El = E / n per 
 One layer, on each device, inside ``jax.shard_map`` (T_l local tokens, k routes each, C = the
 per-peer capacity):
 
-1. route the local tokens (global expert ids, as ``jax_moe.layers.route``);
+1. route the local tokens (global expert ids, as ``jax_moe.routing.route``);
 2. dispatch: group the routes by destination device into n fixed buckets of C rows ([n, C, H]),
    each bucket in ascending flat route order ``t*k + j``; a route whose rank in its bucket is >= C
    **overflows**: it is dropped (contributes 0, like an id of -1), and counted;
@@ -57,8 +57,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_moe._validate import _fail
 from jax_moe.config import MoEConfig
-from jax_moe.experts import ExpertFn, run_experts
-from jax_moe.layers import check_layer_params, rms_norm, route
+from jax_moe.experts import ExpertFn, run_experts, shared_experts
+from jax_moe.layers import check_layer_params, rms_norm
+from jax_moe.routing import route
 from jax_moe.ops import permute, unpermute, unpermute_by_dest
 from jax_moe.scratch import BUFFER_NAMES, MoEScratch, buffer_shapes, init_scratch
 
@@ -135,8 +136,9 @@ def local_config(config: MoEConfig, num_devices: int, capacity: int) -> MoEConfi
     found on two H200s). The identity map gives the same result.
     """
     local = config.num_experts // num_devices
+    # Routing happens before the exchange with the global config: the receive side only permutes.
     return dataclasses.replace(config, num_experts=local, top_k=1, max_tokens=num_devices * capacity,
-                               expert_map=tuple(range(local)))
+                               expert_map=tuple(range(local)), n_group=1, topk_group=1)
 
 
 # --- the sharded scratch --------------------------------------------------------------------------
@@ -319,7 +321,7 @@ def _local_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch, *, confi
     """
     num_local = scratch.config.num_local_experts
     hidden = x.shape[1]
-    weights, ids = route(layer_params["router"], x, config)
+    weights, ids = route(layer_params["router"], x, config, layer_params.get("router_bias"))
     route_slot, send_route, send_local_id, dropped = _dispatch_plan(ids, slots, num_local, num_devices, capacity)
 
     # Rows to send, one per slot; empty slots are zero rows (and id -1: the receiver drops them).
@@ -336,6 +338,9 @@ def _local_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch, *, confi
     back = exchange(recv_out.reshape(num_devices, capacity, hidden), axis_name).reshape(-1, hidden)
     # The same native weighted sum as the single-device unpermute; overflowed routes (slot -1) give 0.
     y = unpermute_by_dest(back, weights, route_slot)
+    shared = shared_experts(layer_params, x)  # replicated weights, this device's tokens
+    if shared is not None:
+        y = y + shared
     return y, lax.stop_gradient(scratch), dropped
 
 
@@ -381,9 +386,10 @@ def _check_call(op: str, params, x, scratch, mesh, axis_name, stacked: bool) -> 
     return num_devices, capacity
 
 
-def _specs(axis_name: str, stacked: bool):
+def _specs(axis_name: str, stacked: bool, param_names):
+    """Experts sharded over the axis; everything else (router, its bias, shared expert) replicated."""
     lead = (None,) if stacked else ()
-    params = {"router": P(), "gate_up": P(*lead, axis_name), "down": P(*lead, axis_name)}
+    params = {name: P(*lead, axis_name) if name in ("gate_up", "down") else P() for name in param_names}
     return params, P(axis_name)
 
 
@@ -408,7 +414,7 @@ def _run(op, params, x, scratch, mesh, axis_name, expert_fn, exchange, stacked, 
     slots = placement_array(scratch.placement, config.num_experts)
     layer = dict(config=config, num_devices=num_devices, capacity=capacity, axis_name=axis_name,
                  expert_fn=expert_fn, exchange=exchange)
-    param_specs, token_spec = _specs(axis_name, stacked)
+    param_specs, token_spec = _specs(axis_name, stacked, params)
     params = {name: params[name] for name in param_specs}
     scratch_spec = jax.tree.map(lambda _: P(axis_name), scratch.local)
 

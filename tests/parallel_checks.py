@@ -61,8 +61,16 @@ def random_placement(seed: int) -> tuple[int, ...]:
     return tuple(int(v) for v in np.random.default_rng(seed).permutation(E))
 
 
-def inputs(config: MoEConfig, num_tokens: int, seed: int = 0):
-    params = init_moe_params(jax.random.key(seed), config, L, F)
+# DeepSeek-V3's routing (sigmoid, groups, bias, scaling) with a shared expert: the bias and the
+# shared expert are replicated like the router.
+DEEPSEEK_ROUTING = dict(scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5, renormalize_epsilon=1e-20)
+
+
+def inputs(config: MoEConfig, num_tokens: int, seed: int = 0, shared: bool = False):
+    params = init_moe_params(jax.random.key(seed), config, L, F, shared_ffn_size=24 if shared else None,
+                             router_bias=shared)
+    if shared:
+        params["router_bias"] = 0.1 * jax.random.normal(jax.random.key(seed + 2), params["router_bias"].shape)
     x = jax.random.normal(jax.random.key(seed + 1), (num_tokens, H), jnp.float32).astype(config.dtype)
     return params, x
 
@@ -127,11 +135,11 @@ def masked_single_device_stack(params, x, config, num_devices, placement, capaci
 # --- checks ---------------------------------------------------------------------------------------
 
 def check_equal(num_devices, placement_seed=None, explicit=False, num_tokens=None, unroll=1,
-                dtype=jnp.float32, align=1):
+                dtype=jnp.float32, align=1, deepseek=False):
     """The sharded stack equals the single-device stack (no overflow: default capacity)."""
-    config = config_for(num_devices, dtype, align=align)
+    config = config_for(num_devices, dtype, align=align, **(DEEPSEEK_ROUTING if deepseek else {}))
     num_tokens = num_tokens or config.max_tokens
-    params, x = inputs(config, num_tokens, seed=num_devices)
+    params, x = inputs(config, num_tokens, seed=num_devices, shared=deepseek)
     placement = None if placement_seed is None else random_placement(placement_seed)
     expected = single_device_stack(params, x, config)
     actual, dropped = ep_stack(params, x, config, mesh_for(num_devices, explicit), placement, unroll=unroll)
@@ -351,6 +359,7 @@ CHECKS = {
     "equal_8way_noncontiguous_explicit_mesh": lambda: check_equal(8, placement_seed=1, explicit=True),
     "equal_8way_fewer_tokens_unrolled": lambda: check_equal(8, placement_seed=2, num_tokens=16, unroll=True),
     "equal_8way_bf16_align8": lambda: check_equal(8, placement_seed=9, dtype=jnp.bfloat16, align=8),
+    "equal_4way_deepseek_routing_shared_expert": lambda: check_equal(4, placement_seed=10, deepseek=True),
     "layer_equal_4way": lambda: check_layer_equal(4),
     "placement_is_an_expert_map": check_placement_is_an_expert_map,
     "overflow_4way": lambda: check_overflow(4, 1.0, placement_seed=3),

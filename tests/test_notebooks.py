@@ -19,7 +19,7 @@ from nbclient import NotebookClient
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-EXPECTED = {"quickstart.ipynb", "scratch_sharing.ipynb", "performance.ipynb"}
+EXPECTED = {"quickstart.ipynb", "scratch_sharing.ipynb", "performance.ipynb", "hf_model.ipynb"}
 KERNEL_NAME = "jax_moe_tests"
 CELL_TIMEOUT_S = 300
 MAX_COMMITTED_BYTES = 64 * 1024
@@ -99,6 +99,8 @@ def test_notebook_runs(path, kernel_env):
         assert images(notebook) >= 1, "expected the notebook to draw its figures"
     if path.name == "quickstart.ipynb":
         assert "every buffer reused in place" in text
+    if path.name == "hf_model.ipynb":
+        assert text.count("max error relative to transformers") == 2 and "load-balancing loss" in text
     if path.name == "scratch_sharing.ipynb":
         assert "flat in depth" in text and "per-layer scratches at L=32" in text
     if path.name == "performance.ipynb" and (NOTEBOOK_DIR / "results" / "bench_permute.json").exists():

@@ -34,6 +34,7 @@ EIGHT_DEVICE_CHECKS = (
     "equal_8way_noncontiguous_explicit_mesh",
     "equal_8way_fewer_tokens_unrolled",
     "equal_8way_bf16_align8",
+    "equal_4way_deepseek_routing_shared_expert",
     "layer_equal_4way",
     "placement_is_an_expert_map",
     "overflow_4way",

@@ -1,0 +1,255 @@
+"""Loading the MoE layers of a local Hugging Face checkpoint into ``moe_stack``'s params.
+
+``load_moe(path, max_tokens=...) -> (MoEConfig, params)`` reads ``config.json`` and the
+``*.safetensors`` files (one, or sharded with ``model.safetensors.index.json``) of a Mixtral,
+Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE (text model, or the multimodal checkpoint's language model) or
+DeepSeek-V3 checkpoint, and returns the params of its MoE layers stacked on a leading axis, in
+checkpoint order (DeepSeek-V3's first dense layers are not MoE layers and are skipped). For every
+MoE layer i, ``moe_layer(tree_map(lambda a: a[i], params), x, init_scratch(config))[0]`` is that
+layer's transformers MoE block applied to x.
+
+Tensors are read one at a time with safetensors' NumPy API (no torch) straight into the stacked
+arrays, so the checkpoint is never held twice in host memory; bf16 stays bf16. Both expert layouts
+load: per-expert (``experts.{e}.gate_proj/up_proj/down_proj``, Mixtral's ``w1/w3/w2``, as
+published checkpoints and transformers' ``save_pretrained`` write them) and fused
+(``experts.gate_up_proj`` [E, 2F, H], ``experts.down_proj`` [E, H, F]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401 (registers bfloat16 with NumPy, which safetensors' NumPy API needs)
+import numpy as np
+
+from jax_moe.config import MoEConfig
+
+SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where one family keeps its MoE block and how it routes."""
+
+    prefix: str                # "model." or "model.language_model."
+    block: str                 # "mlp" or Mixtral's "block_sparse_moe"
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    hidden: int
+    ffn: int
+    routing: dict              # MoEConfig routing fields
+    shared_ffn: int | None     # shared expert width, or None
+    shared_gate: bool
+    router_bias: bool
+    expert_names: tuple[str, str, str]  # per-expert gate, up, down tensor names
+
+
+def _field(cfg: dict, names, what: str, default: Any = ...) -> Any:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    if default is not ...:
+        return default
+    raise ValueError(f"load_moe: config.json: expected {what} ({' or '.join(names)}), found none")
+
+
+def _layout(config: dict) -> _Layout:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ValueError(f"load_moe: config.json: model_type: expected one of {SUPPORTED}, got {model_type!r}")
+    prefix = "model."
+    cfg = config
+    if model_type == "qwen3_5_moe":  # the multimodal checkpoint: the language model's config and tensors
+        cfg = config.get("text_config")
+        if not isinstance(cfg, dict):
+            raise ValueError("load_moe: config.json: text_config: expected the language model's config "
+                             "(model_type qwen3_5_moe), found none")
+        prefix = "model.language_model."
+    if cfg.get("quantization_config") or config.get("quantization_config"):
+        raise ValueError("load_moe: config.json: quantization_config: quantised (e.g. FP8) checkpoints are not "
+                         "supported yet; expected float32/bfloat16/float16 weights")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"load_moe: config.json: hidden_act: expected 'silu' (SwiGLU experts), got {act!r}")
+    num_layers = int(_field(cfg, ("num_hidden_layers",), "the layer count"))
+    num_experts = int(_field(cfg, ("num_local_experts", "num_experts", "n_routed_experts"), "the expert count"))
+    top_k = int(_field(cfg, ("num_experts_per_tok",), "the experts per token"))
+    hidden = int(_field(cfg, ("hidden_size",), "the hidden size"))
+    per_expert = ("gate_proj", "up_proj", "down_proj")
+    if model_type == "mixtral":
+        return _Layout(prefix, "block_sparse_moe", tuple(range(num_layers)), num_experts, top_k, hidden,
+                       int(_field(cfg, ("intermediate_size",), "the expert width")), {}, None, False, False,
+                       ("w1", "w3", "w2"))
+    ffn = int(_field(cfg, ("moe_intermediate_size",), "the expert width"))
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        only_mlp = set(cfg.get("mlp_only_layers") or [])
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        layers = tuple(i for i in range(num_layers) if i not in only_mlp and num_experts > 0 and (i + 1) % step == 0)
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
+        routing = {"renormalize": bool(cfg.get("norm_topk_prob", False))}
+        return _Layout(prefix, "mlp", layers, num_experts, top_k, hidden, ffn, routing, shared or None, bool(shared),
+                       False, per_expert)
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        shared = int(_field(cfg, ("shared_expert_intermediate_size",), "the shared expert width"))
+        return _Layout(prefix, "mlp", tuple(range(num_layers)), num_experts, top_k, hidden, ffn, {"renormalize": True},
+                       shared, True, False, per_expert)
+    # DeepSeek-V3
+    for name, allowed in (("scoring_func", ("sigmoid",)), ("topk_method", ("noaux_tc",)), ("moe_layer_freq", (1,))):
+        if cfg.get(name) is not None and cfg[name] not in allowed:
+            raise ValueError(f"load_moe: config.json: {name}: expected one of {allowed} (DeepSeek-V3's routing as "
+                             f"transformers runs it), got {cfg[name]!r}")
+    first_moe = int(cfg.get("first_k_dense_replace", 0) or 0)
+    shared = int(cfg.get("n_shared_experts", 0) or 0) * ffn
+    routing = {"scoring": "sigmoid", "renormalize": bool(cfg.get("norm_topk_prob", True)), "renormalize_epsilon": 1e-20,
+               "n_group": int(cfg.get("n_group", 1) or 1), "topk_group": int(cfg.get("topk_group", 1) or 1),
+               "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0))}
+    return _Layout(prefix, "mlp", tuple(range(first_moe, num_layers)), num_experts, top_k, hidden, ffn, routing,
+                   shared or None, False, True, per_expert)
+
+
+class _Tensors:
+    """Reads named tensors one at a time from a checkpoint folder's safetensors files."""
+
+    def __init__(self, folder: pathlib.Path):
+        try:
+            from safetensors import safe_open
+        except ImportError as e:  # an optional dependency: pip install "jax_moe[hf]"
+            raise ImportError("jax_moe.hf needs the safetensors package: pip install safetensors") from e
+        self._open = safe_open
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: folder / file for name, file in weight_map.items()}
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"load_moe: path: expected *.safetensors files in {folder}, found none")
+            self.files = {}
+            for file in files:
+                with safe_open(file, framework="np") as f:
+                    self.files.update({name: file for name in f.keys()})
+        self._handles = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.files:
+            raise ValueError(f"load_moe: tensor {name!r}: expected in the checkpoint, missing")
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = self._open(file, framework="np").__enter__()
+        tensor = self._handles[file].get_tensor(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"load_moe: tensor {name!r}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
+        return tensor
+
+    def close(self):
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles = {}
+
+
+_SAFETENSORS_DTYPES = {"F32": jnp.float32, "BF16": jnp.bfloat16, "F16": jnp.float16}
+
+
+def _checkpoint_dtype(config: dict, tensors: _Tensors, probe: str):
+    """The dtype config.json names, else the dtype of the tensor ``probe``."""
+    name = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+    if name in _DTYPES:
+        return jnp.dtype(_DTYPES[name])
+    if probe not in tensors:
+        raise ValueError(f"load_moe: tensor {probe!r}: expected in the checkpoint, missing")
+    with tensors._open(tensors.files[probe], framework="np") as f:
+        stored = f.get_slice(probe).get_dtype()
+    if stored not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"load_moe: tensor {probe!r}: expected dtype F32, BF16 or F16, got {stored}")
+    return jnp.dtype(_SAFETENSORS_DTYPES[stored])
+
+
+def load_moe(path, *, max_tokens: int, dtype=None) -> tuple[MoEConfig, dict]:
+    """The routing config and the stacked params of a Hugging Face checkpoint's MoE layers.
+
+    Args:
+      path: a local folder with ``config.json`` and ``*.safetensors`` (sharded with
+        ``model.safetensors.index.json`` or not) of a supported model (``SUPPORTED``).
+      max_tokens: the ``MoEConfig.max_tokens`` to size scratches for.
+      dtype: params' and rows' dtype; None keeps the checkpoint's (bf16 stays bf16).
+
+    Returns:
+      ``(config, params)``: a ``MoEConfig`` with the model's E, k, H and routing (softmax with or
+      without renormalisation; DeepSeek-V3's sigmoid, groups, correction bias and scaling), and
+      ``{"router": [L, H, E], "gate_up": [L, E, H, 2F], "down": [L, E, F, H]}`` plus, where the
+      model has them, ``router_bias`` [L, E] float32 and the shared expert's ``shared_gate_up``
+      [L, H, 2Fs], ``shared_down`` [L, Fs, H], ``shared_gate`` [L, H, 1]. L = the MoE layers.
+
+    Raises:
+      ValueError: an unsupported architecture, a config field it cannot honour, a missing or
+        misshapen tensor (named), or no MoE layer.
+    """
+    folder = pathlib.Path(path)
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        raise ValueError(f"load_moe: path: expected a checkpoint folder with config.json, got {str(folder)!r}")
+    hf_config = json.loads(config_file.read_text())
+    layout = _layout(hf_config)
+    if not layout.moe_layers:
+        raise ValueError("load_moe: config.json: expected at least one MoE layer, found none")
+    tensors = _Tensors(folder)
+    try:
+        first = f"{layout.prefix}layers.{layout.moe_layers[0]}.{layout.block}.gate.weight"
+        if layout.block == "block_sparse_moe" and first not in tensors:  # Mixtral saved as transformers names it
+            layout = dataclasses.replace(layout, block="mlp")
+            first = f"{layout.prefix}layers.{layout.moe_layers[0]}.mlp.gate.weight"
+        out_dtype = jnp.dtype(dtype) if dtype is not None else _checkpoint_dtype(hf_config, tensors, first)
+        config = MoEConfig(num_experts=layout.num_experts, top_k=layout.top_k, hidden_size=layout.hidden,
+                           max_tokens=max_tokens, dtype=out_dtype, **layout.routing)
+        params = _read_params(tensors, layout, out_dtype)
+    finally:
+        tensors.close()
+    return config, {name: jnp.asarray(array) for name, array in params.items()}
+
+
+def _read_params(tensors: _Tensors, layout: _Layout, dtype) -> dict:
+    L, E, H, F = len(layout.moe_layers), layout.num_experts, layout.hidden, layout.ffn
+    np_dtype = np.dtype(dtype)
+    params = {"router": np.empty((L, H, E), np_dtype), "gate_up": np.empty((L, E, H, 2 * F), np_dtype),
+              "down": np.empty((L, E, F, H), np_dtype)}
+    if layout.router_bias:
+        params["router_bias"] = np.empty((L, E), np.float32)
+    if layout.shared_ffn:
+        params["shared_gate_up"] = np.empty((L, H, 2 * layout.shared_ffn), np_dtype)
+        params["shared_down"] = np.empty((L, layout.shared_ffn, H), np_dtype)
+    if layout.shared_gate:
+        params["shared_gate"] = np.empty((L, H, 1), np_dtype)
+    gate_name, up_name, down_name = layout.expert_names
+    for i, layer in enumerate(layout.moe_layers):
+        block = f"{layout.prefix}layers.{layer}.{layout.block}."
+        # transformers' Linear weights are [out, in]; moe_stack multiplies x [T, in] @ w [in, out].
+        params["router"][i] = tensors.get(block + "gate.weight", (E, H)).T
+        if layout.router_bias:
+            params["router_bias"][i] = tensors.get(block + "gate.e_score_correction_bias", (E,))
+        if block + "experts.gate_up_proj" in tensors:  # fused: [E, 2F, H] (gate rows first), [E, H, F]
+            params["gate_up"][i] = tensors.get(block + "experts.gate_up_proj", (E, 2 * F, H)).transpose(0, 2, 1)
+            params["down"][i] = tensors.get(block + "experts.down_proj", (E, H, F)).transpose(0, 2, 1)
+        else:
+            for e in range(E):
+                expert = f"{block}experts.{e}."
+                params["gate_up"][i, e, :, :F] = tensors.get(f"{expert}{gate_name}.weight", (F, H)).T
+                params["gate_up"][i, e, :, F:] = tensors.get(f"{expert}{up_name}.weight", (F, H)).T
+                params["down"][i, e] = tensors.get(f"{expert}{down_name}.weight", (H, F)).T
+        if layout.shared_ffn:
+            shared = block + ("shared_experts." if layout.router_bias else "shared_expert.")
+            Fs = layout.shared_ffn
+            params["shared_gate_up"][i, :, :Fs] = tensors.get(shared + "gate_proj.weight", (Fs, H)).T
+            params["shared_gate_up"][i, :, Fs:] = tensors.get(shared + "up_proj.weight", (Fs, H)).T
+            params["shared_down"][i] = tensors.get(shared + "down_proj.weight", (H, Fs)).T
+        if layout.shared_gate:
+            params["shared_gate"][i] = tensors.get(block + "shared_expert_gate.weight", (1, H)).T
+    return params

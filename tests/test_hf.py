@@ -1,0 +1,136 @@
+"""jax_moe.hf.load_moe against transformers' own MoE blocks (issue 15).
+
+tests/fixtures/hf/ holds tiny random checkpoints of the five families and, for fixed inputs, the
+outputs of every MoE layer's transformers block (``model.model.layers[j].mlp``), written by
+tests/fixtures/make_hf_fixtures.py with torch and transformers. Here only jax_moe runs: each
+checkpoint loads, and every MoE layer of ``moe_layer`` on the loaded params equals transformers'
+output (float32: <= 1e-5 relative to the output's largest magnitude).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_moe import hf, init_scratch, routing
+from jax_moe.layers import moe_layer, moe_stack
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+OUTPUTS = dict(np.load(FIXTURES / "outputs.npz"))
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe", "deepseek_v3"]
+# The MoE layers of each fixture, in checkpoint order (Qwen2-MoE's layer 1 is mlp_only; DeepSeek-V3's
+# first layer is dense).
+MOE_LAYERS = {"mixtral": [0, 1], "qwen2_moe": [0, 2], "qwen3_moe": [0, 1], "qwen3_5_moe_text": [0, 1],
+              "qwen3_5_moe": [0, 1], "deepseek_v3": [1, 2]}
+
+
+def _layer_outputs(name):
+    return [OUTPUTS[f"{name}/layer{j}"] for j in MOE_LAYERS[name]]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_moe_layers_equal_transformers(name):
+    assert sorted(k.split("/")[1] for k in OUTPUTS if k.startswith(name + "/layer")) == \
+        [f"layer{j}" for j in MOE_LAYERS[name]]
+    config, params = hf.load_moe(FIXTURES / name, max_tokens=16, dtype=jnp.float32)
+    x = jnp.asarray(OUTPUTS[f"{name}/x"])
+    assert params["router"].shape[0] == len(MOE_LAYERS[name])
+    worst = 0.0
+    for i, want in enumerate(_layer_outputs(name)):
+        layer = jax.tree.map(lambda a: a[i], params)
+        y, _ = jax.jit(moe_layer)(layer, x, init_scratch(config))
+        error = float(np.abs(np.asarray(y) - want).max() / np.abs(want).max())
+        worst = max(worst, error)
+        assert error <= 1e-5, (name, i, error)
+    print(f"{name}: max relative error {worst:.2e}")
+
+
+def test_family_specifics_are_loaded():
+    config, params = hf.load_moe(FIXTURES / "deepseek_v3", max_tokens=4)
+    assert (config.scoring, config.n_group, config.topk_group, config.routed_scaling_factor) == ("sigmoid", 4, 2, 2.5)
+    assert params["router_bias"].shape == (2, 8) and np.abs(np.asarray(params["router_bias"])).max() > 0
+    assert params["shared_gate_up"].shape == (2, 32, 32) and "shared_gate" not in params
+    config, params = hf.load_moe(FIXTURES / "qwen2_moe", max_tokens=4)  # sharded, norm_topk_prob False
+    assert not config.renormalize and config.top_k == 3
+    assert params["shared_gate"].shape == (2, 32, 1) and params["shared_gate_up"].shape == (2, 32, 48)
+    assert set(hf.load_moe(FIXTURES / "qwen3_moe", max_tokens=4)[1]) == {"router", "gate_up", "down"}
+
+
+def test_bf16_checkpoint_stays_bf16_and_runs_in_a_stack():
+    config, params = hf.load_moe(FIXTURES / "mixtral", max_tokens=8)
+    assert config.dtype == jnp.bfloat16 and all(a.dtype == jnp.bfloat16 for a in params.values())
+    x = jnp.asarray(OUTPUTS["mixtral/x"]).astype(jnp.bfloat16)[None]  # [1, T, H]: a batch axis
+    y, _ = jax.jit(moe_stack)(params, x, init_scratch(config))
+    assert y.shape == x.shape and np.isfinite(np.asarray(y, np.float32)).all()
+    # One layer in bf16 against transformers' float32 output of the same (bf16-valued) weights.
+    layer0 = jax.tree.map(lambda a: a[0], params)
+    y0, _ = jax.jit(moe_layer)(layer0, x[0], init_scratch(config))
+    want = OUTPUTS["mixtral/layer0"]
+    assert np.abs(np.asarray(y0, np.float32) - want).max() <= 2e-2 * np.abs(want).max()
+
+
+def test_transformers_load_balancing_loss():
+    logits, mask = OUTPUTS["lb/logits"], OUTPUTS["lb/mask"]
+    np.testing.assert_allclose(float(routing.load_balancing_loss(logits, 2)), OUTPUTS["lb/loss"], rtol=1e-6)
+    np.testing.assert_allclose(float(routing.load_balancing_loss(logits, 2, mask)), OUTPUTS["lb/loss_masked"],
+                               rtol=1e-6)
+
+
+def _copy(tmp_path, name) -> pathlib.Path:
+    folder = tmp_path / name
+    shutil.copytree(FIXTURES / name, folder)
+    return folder
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_published_config_names_load(tmp_path):
+    # Published Qwen3-MoE configs say num_experts where transformers 5 writes num_local_experts.
+    folder = _copy(tmp_path, "qwen3_moe")
+    config = json.loads((folder / "config.json").read_text())
+    _edit_config(folder, num_local_experts=None, num_experts=config["num_local_experts"])
+    loaded, params = hf.load_moe(folder, max_tokens=8, dtype=jnp.float32)
+    y, _ = moe_layer(jax.tree.map(lambda a: a[0], params), jnp.asarray(OUTPUTS["qwen3_moe/x"]), init_scratch(loaded))
+    np.testing.assert_allclose(np.asarray(y), OUTPUTS["qwen3_moe/layer0"], rtol=1e-4, atol=1e-5)
+
+
+def test_bad_checkpoints_raise_clear_errors(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    with pytest.raises(ValueError, match=r"model_type: expected one of .*got 'llama'"):
+        folder = _copy(tmp_path, "qwen3_moe")
+        _edit_config(folder, model_type="llama")
+        hf.load_moe(folder, max_tokens=4)
+    with pytest.raises(ValueError, match="quantization_config"):
+        folder = _copy(tmp_path / "q", "deepseek_v3")
+        _edit_config(folder, quantization_config={"quant_method": "fp8"})
+        hf.load_moe(folder, max_tokens=4)
+    with pytest.raises(ValueError, match=r"scoring_func: expected one of \('sigmoid',\).*'softmax'"):
+        folder = _copy(tmp_path / "s", "deepseek_v3")
+        _edit_config(folder, scoring_func="softmax")
+        hf.load_moe(folder, max_tokens=4)
+    folder = _copy(tmp_path / "m", "qwen3_moe")
+    tensors = load_file(folder / "model.safetensors")
+    missing = "model.layers.1.mlp.experts.3.up_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != missing}, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"tensor '{missing}': expected in the checkpoint, missing"):
+        hf.load_moe(folder, max_tokens=4)
+    tensors[missing] = tensors[missing][:, :-1]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"tensor '{missing}': expected shape \(16, 32\), got \(16, 31\)"):
+        hf.load_moe(folder, max_tokens=4)
+    with pytest.raises(ValueError, match="expected a checkpoint folder with config.json"):
+        hf.load_moe(tmp_path / "nowhere", max_tokens=4)
