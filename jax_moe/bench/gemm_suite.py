@@ -151,7 +151,7 @@ def measure_gemm(model: ModelShape, tokens: int, clock, notes) -> list[dict]:
 
 def measure_layer(model: ModelShape, tokens: int, clock) -> list[dict]:
     config = model.config(tokens)
-    params = jax_moe.init_moe_params(jax.random.key(0), config, 1, model.ffn_size)
+    params = jax_moe.init_moe_params(jax.random.key(0), config, 1, model.ffn_size, **model.param_options())
     layer_params = jax.tree.map(lambda a: a[0], params)
     x = jax.random.normal(jax.random.key(1), (tokens, model.hidden_size), jnp.bfloat16)
     scratch = jax_moe.init_scratch(config)

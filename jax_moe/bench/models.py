@@ -22,6 +22,9 @@ class ModelShape:
       ffn_size: F, each expert's intermediate size (stack and gemm suites).
       stack_layers: L of the stack suite's model, chosen to fit the card's memory and the run's
         time budget (None: not in the stack suite).
+      routing: the model's ``MoEConfig`` routing fields (default: softmax top-k, renormalised).
+      shared_ffn, shared_gate, router_bias: the model's shared expert (width, sigmoid gate) and
+        correction bias, as ``init_moe_params`` takes them.
     """
 
     name: str
@@ -31,10 +34,20 @@ class ModelShape:
     hidden_size: int
     ffn_size: int | None = None
     stack_layers: int | None = None
+    routing: dict = dataclasses.field(default_factory=dict)
+    shared_ffn: int | None = None
+    shared_gate: bool = False
+    router_bias: bool = False
 
-    def config(self, max_tokens: int) -> MoEConfig:
+    def config(self, max_tokens: int, real_routing: bool = True) -> MoEConfig:
+        """The model's MoEConfig; ``real_routing=False`` routes like Mixtral/Qwen3 (the train suite's
+        PyTorch peer is transformers' Qwen3-MoE block for every shape)."""
         return MoEConfig(num_experts=self.num_experts, top_k=self.top_k, hidden_size=self.hidden_size,
-                         max_tokens=max_tokens, dtype=ROW_DTYPE)
+                         max_tokens=max_tokens, dtype=ROW_DTYPE, **(self.routing if real_routing else {}))
+
+    def param_options(self) -> dict:
+        """``init_moe_params`` keywords for the model's shared expert and correction bias."""
+        return {"shared_ffn_size": self.shared_ffn, "shared_gate": self.shared_gate, "router_bias": self.router_bias}
 
     def describe(self) -> str:
         return f"{self.label} (E{self.num_experts}, k{self.top_k}, H{self.hidden_size})"
@@ -47,8 +60,13 @@ MODELS = {m.name: m for m in (
     ModelShape("qwen3_30b", "Qwen3-30B-A3B", 128, 8, 2048, ffn_size=768, stack_layers=16),
     # Stack: one layer's experts are 256 x 3 x 7168 x 2048 bf16 = 22.5 GB, so 4 layers (90 GB)
     # is what fits the 139 GiB card next to the per-layer temporaries (the real model has 58).
-    ModelShape("deepseek_v3", "DeepSeek-V3", 256, 8, 7168, ffn_size=2048, stack_layers=4),
-    ModelShape("qwen35_397b", "Qwen3.5-397B-A17B", 512, 10, 4096, ffn_size=1024),
+    # Its routing: sigmoid scores, 8 groups of which 4 are eligible, a correction bias, weights
+    # renormalised and scaled by 2.5; one shared expert of width F.
+    ModelShape("deepseek_v3", "DeepSeek-V3", 256, 8, 7168, ffn_size=2048, stack_layers=4,
+               routing=dict(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                            renormalize_epsilon=1e-20), shared_ffn=2048, router_bias=True),
+    # One sigmoid-gated shared expert; its width is taken as F here.
+    ModelShape("qwen35_397b", "Qwen3.5-397B-A17B", 512, 10, 4096, ffn_size=1024, shared_ffn=1024, shared_gate=True),
     # CPU development and tests: the whole harness in seconds.
     ModelShape("tiny", "tiny (CPU test)", 8, 2, 64, ffn_size=32, stack_layers=2),
 )}

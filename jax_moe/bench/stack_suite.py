@@ -53,7 +53,7 @@ NOTES = (
 )
 
 
-def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int) -> dict:
+def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int, **options) -> dict:
     """``init_moe_params`` drawn one expert at a time (``lax.map``), stacked to [L, El, ...].
 
     Drawing a whole layer at once takes float32 temporaries several times the layer's size
@@ -73,10 +73,12 @@ def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int) -> dic
 
     def build(k):
         router_key, experts_key = jax.random.split(k)
-        router = moe_layers.init_moe_params(router_key, config, layers, 1)["router"]
+        # The router and the options' small leaves (shared expert, correction bias) drawn whole.
+        small = moe_layers.init_moe_params(router_key, config, layers, 1, **options)
+        small = {name: leaf for name, leaf in small.items() if name not in ("gate_up", "down")}
         experts = lax.map(expert, jax.random.split(experts_key, layers * num_local))
         stacked = {name: leaf.reshape(layers, num_local, *leaf.shape[1:]) for name, leaf in experts.items()}
-        return {"router": router, **stacked}
+        return {**small, **stacked}
 
     return jax.jit(build)(key)
 
@@ -106,7 +108,7 @@ def measure_model(model: ModelShape, token_counts, clock: timing.Clock, compile_
     """Builds the model's params once, then compiles and times every (T, scan, variant)."""
     key = jax.random.PRNGKey(seed)
     layers = model.stack_layers
-    params = init_stack_params(key, model.config(max(token_counts)), layers, model.ffn_size)
+    params = init_stack_params(key, model.config(max(token_counts)), layers, model.ffn_size, **model.param_options())
     param_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
     clock.log(f"stack {model.name}: L={layers}, F={model.ffn_size}, params {param_bytes / 1e9:.2f} GB")
     rows = []

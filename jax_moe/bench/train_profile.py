@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     from jax_moe.bench.stack_suite import init_stack_params
 
     model = MODELS[args.model]
-    config = model.config(args.tokens)
+    config = model.config(args.tokens, real_routing=False)  # as the train suite runs it
     params = init_stack_params(jax.random.key(0), config, args.layers, model.ffn_size)
     x = jax.random.normal(jax.random.key(1), (args.tokens, model.hidden_size), ROW_DTYPE)
 

@@ -46,7 +46,9 @@ METHOD = (f"Per layer = step time / L. A step is one call of the jitted value_an
           "steps dispatched back to back, timed to the last one's completion; the scratch is donated and "
           "threaded from step to step. Peer: the same stack of transformers Qwen3MoeSparseMoeBlocks with "
           "torch's grouped_mm, eager loss.backward(), CUDA events over the same number of steps, in its "
-          "own process. Roofline per layer = max(3 x forward GEMM FLOPs / dense jnp.dot rate, (weights "
+          "own process. Every model routes like the peer (softmax top-k, renormalised, no shared "
+          "expert), so both sides do the same work. Roofline per layer = max(3 x forward GEMM FLOPs / "
+          "dense jnp.dot rate, (weights "
           "read twice + weight gradients written) / copy rate), both rates measured in the same run.")
 
 
@@ -105,7 +107,7 @@ def _loss(y):
 
 
 def measure_jax(model: ModelShape, tokens: int, layers: int, params, x, impl: str) -> dict:
-    config = model.config(tokens)
+    config = model.config(tokens, real_routing=False)
     row = {"impl": impl}
     if impl == "jax_moe":
         def loss(p, x, s):
@@ -188,7 +190,8 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_
                 base["roofline_us"] = max(base["flops_per_layer"] / (dense * 1e6),
                                           base["weight_bytes_per_layer"] / (copy * 1e3))
             if params is None:
-                params = init_stack_params(jax.random.key(0), model.config(max(token_counts)), layers, model.ffn_size)
+                params = init_stack_params(jax.random.key(0), model.config(max(token_counts), real_routing=False),
+                                           layers, model.ffn_size)
             x = jax.random.normal(jax.random.key(tokens), (tokens, model.hidden_size), ROW_DTYPE)
             impls = ["jax_moe"]
             if tokens * model.top_k * model.num_experts <= BASELINE_MAX_ROWS_X_EXPERTS:
