@@ -31,10 +31,10 @@ ffi::Error PermuteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
                        ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                        ffi::Result<ffi::Buffer<ffi::S32>> expert_offsets,
                        ffi::Result<ffi::Buffer<ffi::S32>> workspace,  // used by the CUDA kernels only
-                       int64_t align) {
+                       int64_t align, bool identity_map) {
   PermuteShapes shapes;
   if (ffi::Error error = CheckPermuteShapes(x, topk_ids, expert_map, *permuted, *src_index, *dest_index,
-                                            *group_sizes, *expert_offsets, *workspace, align, &shapes);
+                                            *group_sizes, *expert_offsets, *workspace, align, identity_map, &shapes);
       error.failure())
     return error;
   const int64_t top_k = shapes.top_k;
@@ -45,7 +45,7 @@ ffi::Error PermuteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
   const int64_t row_bytes = shapes.row_bytes;
 
   const int32_t* ids = topk_ids.typed_data();
-  const int32_t* local_of_global = expert_map.element_count() == 0 ? nullptr : expert_map.typed_data();
+  const int32_t* local_of_global = identity_map ? nullptr : expert_map.typed_data();
   std::vector<int32_t> local(num_routes);
   std::vector<int64_t> count(num_local, 0);
   for (int64_t r = 0; r < num_routes; ++r) {

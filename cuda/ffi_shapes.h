@@ -31,15 +31,15 @@ inline xla::ffi::Error CheckPermuteShapes(const xla::ffi::AnyBuffer& x, const xl
                                           const xla::ffi::Buffer<xla::ffi::S32>& group_sizes,
                                           const xla::ffi::Buffer<xla::ffi::S32>& expert_offsets,
                                           const xla::ffi::Buffer<xla::ffi::S32>& workspace, int64_t align,
-                                          PermuteShapes* shapes) {
+                                          bool identity_map, PermuteShapes* shapes) {
   const auto ids_dims = topk_ids.dimensions();
   if (ids_dims.size() != 2 || x.dimensions().size() != 2 || ids_dims[0] != x.dimensions()[0] ||
       permuted.dimensions().size() != 2)
     return InvalidArgument("permute: x must be [T, H], topk_ids [T, k] and permuted [R_cap, H]");
   shapes->num_tokens = ids_dims[0];
   shapes->top_k = ids_dims[1];
-  // An empty expert_map means the identity map: E = El, no lookup.
-  shapes->num_experts = expert_map.element_count() == 0 ? group_sizes.element_count() : expert_map.element_count();
+  // The identity map (an attribute: the map operand is then a 1-element placeholder, never read): E = El.
+  shapes->num_experts = identity_map ? group_sizes.element_count() : expert_map.element_count();
   shapes->num_local = group_sizes.element_count();
   shapes->capacity = permuted.dimensions()[0];
   shapes->row_bytes = RowBytes(x);
@@ -49,7 +49,7 @@ inline xla::ffi::Error CheckPermuteShapes(const xla::ffi::AnyBuffer& x, const xl
       static_cast<int64_t>(expert_offsets.element_count()) != shapes->num_local + 1 ||
       static_cast<int64_t>(src_index.element_count()) != shapes->capacity ||
       static_cast<int64_t>(dest_index.element_count()) < routes ||
-      routes + shapes->num_local * (align - 1) > shapes->capacity)
+      routes + shapes->num_local * (align - 1) > shapes->capacity || shapes->num_experts < 1)
     return InvalidArgument("permute: scratch buffers do not fit the inputs");
   return xla::ffi::Error::Success();
 }
@@ -61,7 +61,7 @@ auto BindPermute(Binding binding) {
   using Indices = xla::ffi::Buffer<xla::ffi::S32>;
   return std::move(binding).template Arg<AnyBuffer>()  // x [T, H]
       .template Arg<Indices>()              // topk_ids [T, k]
-      .template Arg<Indices>()              // expert_map [E], or [0] for identity
+      .template Arg<Indices>()              // expert_map [E] (a [1] placeholder with identity_map)
       .template Arg<AnyBuffer>()            // permuted (aliased)
       .template Arg<Indices>()              // src_index (aliased)
       .template Arg<Indices>()              // dest_index (aliased)
@@ -74,7 +74,10 @@ auto BindPermute(Binding binding) {
       .template Ret<Indices>()              // group_sizes [El]
       .template Ret<Indices>()              // expert_offsets [El + 1]
       .template Ret<Indices>()              // workspace
-      .template Attr<int64_t>("align");
+      .template Attr<int64_t>("align")
+      // The identity map as an attribute, not as an empty operand: jaxlib 0.11.2's compiler crashed
+      // on an empty operand inside a shard_map over 2+ GPUs.
+      .template Attr<bool>("identity_map");
 }
 
 // Unpermute's operands and result, bound after whatever context the platform needs.

@@ -44,16 +44,16 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
                        ffi::Result<ffi::Buffer<ffi::S32>> dest_index,
                        ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                        ffi::Result<ffi::Buffer<ffi::S32>> expert_offsets,
-                       ffi::Result<ffi::Buffer<ffi::S32>> workspace, int64_t align) {
+                       ffi::Result<ffi::Buffer<ffi::S32>> workspace, int64_t align, bool identity_map) {
   PermuteShapes shapes;
   if (ffi::Error error = CheckPermuteShapes(x, topk_ids, expert_map, *permuted, *src_index, *dest_index,
-                                            *group_sizes, *expert_offsets, *workspace, align, &shapes);
+                                            *group_sizes, *expert_offsets, *workspace, align, identity_map, &shapes);
       error.failure())
     return error;
   PermuteArgs args;
   args.x = x.untyped_data();
   args.topk_ids = topk_ids.typed_data();
-  args.expert_map = expert_map.element_count() == 0 ? nullptr : expert_map.typed_data();
+  args.expert_map = identity_map ? nullptr : expert_map.typed_data();
   args.permuted = permuted->untyped_data();
   args.src_index = src_index->typed_data();
   args.dest_index = dest_index->typed_data();

@@ -58,10 +58,12 @@ def _permute_native(x, ids, scratch: MoEScratch) -> MoEScratch:
         tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers),
         input_output_aliases=_PERMUTE_ALIASES,
         vmap_method=_VMAP_METHOD)
-    # An empty map tells the handlers "identity": no per-route lookup. (Inside a shard_map over 2+
-    # GPUs that empty operand crashes jaxlib 0.11.2's compiler: see parallel.local_config.)
-    expert_map = np.zeros((0,), np.int32) if config.expert_map is None else config.expert_map_array()
-    outputs = call(x, ids, jnp.asarray(expert_map), *buffers, align=np.int64(config.align))
+    # The identity map is an attribute (no per-route lookup), its operand a 1-element placeholder:
+    # an empty operand crashed jaxlib 0.11.2's compiler inside a shard_map over 2+ GPUs.
+    identity = config.expert_map is None
+    expert_map = np.zeros((1,), np.int32) if identity else config.expert_map_array()
+    outputs = call(x, ids, jnp.asarray(expert_map), *buffers, align=np.int64(config.align),
+                   identity_map=np.bool_(identity))
     return scratch.replace(**dict(zip(BUFFER_NAMES, fence_results(outputs))))
 
 

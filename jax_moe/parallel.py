@@ -130,15 +130,14 @@ def peer_capacity(config: MoEConfig, num_devices: int, tokens_per_device: int,
 def local_config(config: MoEConfig, num_devices: int, capacity: int) -> MoEConfig:
     """The per-device receive-side config: El local experts, one route per received row, n*C rows.
 
-    Its expert map is the explicit identity over the El local ids, not None: with None, permute
-    hands its custom call an empty map operand, and inside a shard_map over 2+ GPUs that crashes
-    jaxlib 0.11.2's compiler (a segfault in Shardy's ManualComputationUnusedInputsPattern,
-    found on two H200s). The identity map gives the same result.
+    Its expert map is None (identity: the received ids are already local). That used to crash
+    jaxlib 0.11.2's compiler inside a shard_map over 2+ GPUs while permute passed the identity as
+    an empty operand; it is an attribute now.
     """
     local = config.num_experts // num_devices
     # Routing happens before the exchange with the global config: the receive side only permutes.
     return dataclasses.replace(config, num_experts=local, top_k=1, max_tokens=num_devices * capacity,
-                               expert_map=tuple(range(local)), n_group=1, topk_group=1)
+                               expert_map=None, n_group=1, topk_group=1)
 
 
 # --- the sharded scratch --------------------------------------------------------------------------

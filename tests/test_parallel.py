@@ -172,10 +172,23 @@ def test_peer_capacity_and_expert_maps():
     assert maps == [(-1, 0, -1, 1, -1, -1), (-1, -1, 1, -1, 0, -1), (1, -1, -1, -1, -1, 0)]
     for m in maps:  # each a valid MoEConfig.expert_map with E / n local experts
         assert MoEConfig(num_experts=6, top_k=1, hidden_size=8, max_tokens=1, expert_map=m).num_local_experts == 2
-    # The receive side names its identity map: permute's empty "no map" operand crashes jaxlib
-    # 0.11.2's compiler inside a shard_map over 2+ GPUs (tests/parallel_checks.py --gpu).
     local = ep.local_config(config, 4, 16)
-    assert local.expert_map == (0, 1, 2, 3) and (local.num_experts, local.top_k, local.max_tokens) == (4, 1, 64)
+    assert local.expert_map is None and (local.num_experts, local.top_k, local.max_tokens) == (4, 1, 64)
+
+
+def test_identity_map_is_an_attribute_never_an_empty_operand():
+    """An empty expert-map operand crashed jaxlib 0.11.2's compiler inside a shard_map over 2+ GPUs
+    (Shardy's ManualComputationUnusedInputsPattern): the identity travels as an attribute with a
+    one-element placeholder operand, so no permute call has an empty operand."""
+    import jax_moe
+    for expert_map, identity, map_type in ((None, "true", "tensor<1xi32>"), ((1, 0, -1, 2), "false", "tensor<4xi32>")):
+        config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, max_tokens=4, dtype=jnp.float32,
+                           expert_map=expert_map)
+        text = jax.jit(jax_moe.permute).lower(jnp.zeros((4, 8)), jnp.zeros((4, 2), jnp.int32),
+                                              init_scratch(config)).as_text()
+        call = next(line for line in text.splitlines() if "jax_moe_permute" in line)
+        assert f"identity_map = {identity}" in call, call
+        assert map_type in call and "tensor<0x" not in call, call
 
 
 def test_bad_arguments_raise_value_errors_at_trace_time():
