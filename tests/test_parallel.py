@@ -227,3 +227,45 @@ def test_parallel_bench_suite_on_one_device(tmp_path):
               "method": timing.PER_LAYER_METHOD, "facts": parallel_suite.facts()}
     markdown = parallel_suite.markdown(record)
     assert "collectives µs" in markdown and "ragged_all_to_all" in markdown
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    """The EP stack across 2 processes (jax.distributed, CPU collectives over gloo, one device each)
+    equals the single-device stack: outputs and every gradient (params and x)."""
+    from multiprocess_case import case
+    worker = pathlib.Path(__file__).with_name("multiprocess_ep.py")
+    out = tmp_path / "results.npz"
+    port = str(_free_port())
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # one CPU device per process
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", port, str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=SUBPROCESS_TIMEOUT_S)[0])
+        finally:
+            proc.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
+    got = dict(np.load(out))
+
+    config, params, x, _ = case(2)
+
+    def loss(p, h):
+        y, _ = moe_stack(p, h, init_scratch(config))
+        return jnp.sum(jnp.sin(y)), y
+
+    (_, y), (d_params, d_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    assert not got["dropped"].any()
+    want = {"y": y, "d_x": d_x, **{f"d_{name}": leaf for name, leaf in d_params.items()}}
+    assert set(want) <= set(got), sorted(got)
+    for name, value in want.items():
+        value = np.asarray(value)
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(value).max()),
+                                   err_msg=name)
