@@ -13,12 +13,12 @@ source tests/gpu_build.sh "$OUT"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   stage "gpu tests"
-  python3 -m pytest -q -x -m gpu tests/test_gpu.py tests/test_gemm.py ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  python3 -m pytest -q -x -m gpu tests/test_gpu.py tests/test_gemm.py tests/test_backward.py ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 fi
 
 if [ -z "${SKIP_STACK_TESTS:-}" ]; then
   stage "stack tests on the GPU"  # the CPU suite's stack files, run with the GPU as default device
-  python3 -m pytest -q tests/test_layers.py tests/test_stack_memory.py tests/test_autodiff.py 2>&1 \
+  python3 -m pytest -q tests/test_layers.py tests/test_stack_memory.py tests/test_autodiff.py tests/test_routing.py 2>&1 \
     | tee "$OUT/stack_tests.log" | tail -8
 fi
 
