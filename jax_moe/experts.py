@@ -103,9 +103,10 @@ def _swiglu_grouped(rows, gate_up, down, offsets, workspace, num_rows, tile):
 
 def _swiglu_grouped_fwd(rows, gate_up, down, offsets, workspace, num_rows, tile):
     out, workspace, hidden = _swiglu_forward(rows, gate_up, down, offsets, workspace, num_rows, tile)
-    # Residuals: this layer's live rows and groups (copies: the next layer overwrites the scratch),
-    # the [num_rows, 2F] gate/up product (the activation is recomputed from it: [num_rows, F] less
-    # to keep), the weights by reference, and a zero-width array carrying the scratch's row count.
+    # Residuals: this layer's live rows and groups (a scan stacks them per layer, so the next
+    # layer's in-place permute cannot clobber them), the [num_rows, 2F] gate/up product (the
+    # activation is recomputed from it: [num_rows, F] less to keep), the weights by reference, and
+    # a zero-width array carrying the scratch's row count.
     residuals = (rows[:num_rows], hidden, offsets, gate_up, down, jnp.zeros((rows.shape[0], 0), rows.dtype))
     return (out, workspace), residuals
 
