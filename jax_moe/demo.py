@@ -56,7 +56,8 @@ def per_layer_scratch_stack(params: dict, x: jax.Array, config: MoEConfig):
     return x
 
 
-def _memory(compiled) -> dict:
+def memory_stats(compiled) -> dict:
+    """A compiled program's ``memory_analysis()`` in bytes; total = temp + arguments + outputs - aliased."""
     stats = compiled.memory_analysis()
     temp, arg = int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes)
     out, alias = int(stats.output_size_in_bytes), int(stats.alias_size_in_bytes)
@@ -102,7 +103,7 @@ def compiled_memory(config: MoEConfig, num_layers: int, ffn_size: int, num_token
                                         donate_argnums=2).lower(params, x, scratch),
         "train_baseline": lambda: jax.jit(jax.value_and_grad(baseline_loss, argnums=(0, 1))).lower(params, x),
     }
-    return {name: _memory(programs[name]().compile()) for name in variants}
+    return {name: memory_stats(programs[name]().compile()) for name in variants}
 
 
 def memory_series(config: MoEConfig | None = None, ffn_size: int = SERIES_FFN, layer_counts=SERIES_LAYERS,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_moe import gemm
+from jax_moe.routing import dot_f32
 from jax_moe.scratch import MoEScratch
 
 # expert_fn(layer_params, rows [R, H], group_sizes [El] int32) -> rows_out [R, H] (rows' dtype).
@@ -65,13 +66,6 @@ def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) 
     return out.astype(rows.dtype)
 
 
-def _dense(x, w):
-    """x @ w with float32 accumulation (full float32 precision for float32 operands, not TF32)."""
-    exact = jnp.float32 in (jnp.dtype(x.dtype), jnp.dtype(w.dtype))
-    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32,
-                   precision=lax.Precision.HIGHEST if exact else None)
-
-
 def shared_experts(layer_params: dict, x: jax.Array) -> jax.Array | None:
     """The shared expert's output for tokens x [T, H], x's dtype, or None when the params have none.
 
@@ -82,10 +76,11 @@ def shared_experts(layer_params: dict, x: jax.Array) -> jax.Array | None:
     """
     if "shared_gate_up" not in layer_params:
         return None
-    hidden = _dense(x, layer_params["shared_gate_up"])
-    out = _dense(gated_silu(hidden, x.dtype), layer_params["shared_down"])
+    weight = lambda name: layer_params[name].astype(x.dtype)  # noqa: E731
+    hidden = dot_f32(x, weight("shared_gate_up"))
+    out = dot_f32(gated_silu(hidden, x.dtype), weight("shared_down"))
     if "shared_gate" in layer_params:
-        out = out * jax.nn.sigmoid(_dense(x, layer_params["shared_gate"]))
+        out = out * jax.nn.sigmoid(dot_f32(x, weight("shared_gate")))
     return out.astype(x.dtype)
 
 

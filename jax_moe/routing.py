@@ -24,14 +24,20 @@ from jax import lax
 from jax_moe.config import MoEConfig
 
 
+def dot_f32(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` accumulated in float32, at full float32 precision when an operand is float32.
+
+    On GPUs XLA's default f32 dot is TF32, whose rounding can flip the top-k choice between close
+    experts. bf16 products are exact in float32 already, and asking HIGHEST of bf16 operands could
+    make XLA upcast the weights. (The router's logits and the shared expert use it.)
+    """
+    exact = jnp.float32 in (jnp.dtype(x.dtype), jnp.dtype(w.dtype))
+    return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST if exact else None)
+
+
 def router_logits(router: jax.Array, x: jax.Array) -> jax.Array:
     """[T, E] float32 logits ``x @ router`` (x [T, H], router [H, E]), float32 accumulation."""
-    # Full float32 precision for float32 operands: on GPUs XLA's default f32 dot is TF32, whose
-    # rounding can flip the top-k choice between close experts. bf16 products are exact in float32
-    # already, and asking HIGHEST of bf16 operands could make XLA upcast the router weights.
-    exact = jnp.float32 in (jnp.dtype(x.dtype), jnp.dtype(router.dtype))
-    return jnp.dot(x, router, preferred_element_type=jnp.float32,
-                   precision=lax.Precision.HIGHEST if exact else None)
+    return dot_f32(x, router)
 
 
 def scores_from_logits(logits: jax.Array, config: MoEConfig) -> jax.Array:

@@ -27,6 +27,7 @@ import jax_moe
 from jax_moe import baseline
 from jax_moe.bench import timing
 from jax_moe.bench.models import ROW_DTYPE, ModelShape
+from jax_moe.demo import memory_stats
 
 MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
 TOKENS = (1024, 4096, 16384)
@@ -38,18 +39,19 @@ LAYERS = {"mixtral": 4, "qwen3_30b": 8, "deepseek_v3": 2, "qwen35_397b": 2, "tin
 # The pure-JAX baseline's weight gradient is ragged_dot's transpose, a dense [rows, E, H] tensor:
 # it is run only where that stays small (issue 13: Qwen3-30B at T=4096 asked 32 GiB to autotune).
 BASELINE_MAX_ROWS_X_EXPERTS = 1024 * 8 * 128
-WARMUP_STEPS = 2
-STEPS = 5
+# The peer's steps: the same counts as timing.step_seconds's warm-up and fewest repeats.
+WARMUP_STEPS = timing.WARMUP_CALLS
+STEPS = timing.MIN_REPEATS
 PEER_TIMEOUT_S = 240
-METHOD = (f"Per layer = step time / L. A step is one call of the jitted value_and_grad (all gradients "
-          f"are outputs of the program, so none is dead code), {WARMUP_STEPS} warm-up steps, then {STEPS} "
-          "steps dispatched back to back, timed to the last one's completion; the scratch is donated and "
-          "threaded from step to step. Peer: the same stack of transformers Qwen3MoeSparseMoeBlocks with "
-          "torch's grouped_mm, eager loss.backward(), CUDA events over the same number of steps, in its "
-          "own process. Every model routes like the peer (softmax top-k, renormalised, no shared "
+METHOD = ("Per layer = step time / L, the step time being timing.step_seconds's back-to-back time ("
+          + timing.STEP_METHOD + "). A step is one call of the jitted value_and_grad (all gradients are "
+          "outputs of the program, so none is dead code); the scratch is donated and threaded from step "
+          "to step. Peer: the same stack of transformers Qwen3MoeSparseMoeBlocks with torch's grouped_mm, "
+          f"eager loss.backward(), CUDA events over {STEPS} steps after {WARMUP_STEPS} warm-up steps, in "
+          "its own process. Every model routes like the peer (softmax top-k, renormalised, no shared "
           "expert), so both sides do the same work. Roofline per layer = max(3 x forward GEMM FLOPs / "
-          "dense jnp.dot rate, (weights "
-          "read twice + weight gradients written) / copy rate), both rates measured in the same run.")
+          "dense jnp.dot rate, (weights read twice + weight gradients written) / copy rate), both rates "
+          "measured in the same run.")
 
 
 def flops_per_layer(model: ModelShape, tokens: int) -> float:
@@ -83,23 +85,9 @@ def run_peer(model: ModelShape, tokens: int, layers: int) -> dict:
 
 def _peak_bytes(compiled) -> int | None:
     try:
-        m = compiled.memory_analysis()
-        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+        return memory_stats(compiled)["total_bytes"]
     except Exception:  # not every backend reports it; a diagnostic only
         return None
-
-
-def _time_steps(call, state, *args) -> tuple[float, object]:
-    """Seconds per step: warm-up, then STEPS back to back; ``call(state, *args) -> (outputs, state)``."""
-    outputs = None
-    for _ in range(WARMUP_STEPS):
-        outputs, state = call(state, *args)
-    jax.block_until_ready((outputs, state))
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        outputs, state = call(state, *args)
-    jax.block_until_ready((outputs, state))
-    return (time.perf_counter() - start) / STEPS, state
 
 
 def _loss(y):
@@ -117,23 +105,23 @@ def measure_jax(model: ModelShape, tokens: int, layers: int, params, x, impl: st
         scratch = jax_moe.init_scratch(config)
         compiled = step.lower(params, x, scratch).compile()
 
-        def call(s, p, x):
-            (value, s), grads = compiled(p, x, s)
-            return (value, grads), s
+        def call(s, p, x):  # the gradients are outputs of the same executable: done when the scratch is
+            return compiled(p, x, s)[0][1]
         state = scratch
     else:
         step = jax.jit(jax.value_and_grad(lambda p, x: _loss(baseline.baseline_moe_stack(p, x, config)),
                                           argnums=(0, 1)))
         compiled = step.lower(params, x).compile()
 
-        def call(s, p, x):
-            return compiled(p, x), s
+        def call(_, p, x):  # the outputs themselves are the state the timer waits for
+            return compiled(p, x)
         state = None
     row["peak_bytes"] = _peak_bytes(compiled)
     row["hlo_buffer_copies"] = timing.buffer_copies(compiled)
-    seconds, _ = _time_steps(call, state, params, x)
-    row["step_us"] = seconds * 1e6
-    row["us_per_layer"] = seconds * 1e6 / layers
+    measured, _ = timing.step_seconds(call, state, params, x)
+    row["step_us"] = measured["back_to_back_s"] * 1e6
+    row["step_us_latency"] = measured["latency_s"] * 1e6
+    row["us_per_layer"] = row["step_us"] / layers
     return row
 
 
