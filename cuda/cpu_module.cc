@@ -18,6 +18,7 @@ PYBIND11_MODULE(_jax_moe_cpu, m) {
     handlers["jax_moe_unpermute_grad"] = Capsule(JaxMoeUnpermuteGradCpu);
     handlers["jax_moe_bench_noop"] = Capsule(JaxMoeNoopCpu);
     handlers["jax_moe_bench_copy"] = Capsule(JaxMoeCopyCpu);
+    handlers["jax_moe_uninitialized"] = Capsule(JaxMoeUninitializedCpu);
     return handlers;
   });
 }

@@ -221,6 +221,9 @@ ffi::Error CopyImpl(ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> dst) {
   return ffi::Error::Success();
 }
 
+// A buffer XLA allocates and nothing writes (gpu_ops.cc says why); "tag" keeps calls distinct.
+ffi::Error UninitializedImpl(ffi::Result<ffi::AnyBuffer>, int64_t /*tag*/) { return ffi::Error::Success(); }
+
 // Unpermute's backward (gpu_kernels.h, UnpermuteGradArgs): d_y rows from src_index, each product
 // rounded once as on the GPU (bitwise equal); d_weights summed over h in ascending order.
 template <ffi::DataType kRowType, ffi::DataType kWeightType>
@@ -309,3 +312,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCopyCpu, jax_moe::CopyImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()    // src
                                   .Ret<ffi::AnyBuffer>());  // dst, same shape and dtype
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUninitializedCpu, jax_moe::UninitializedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ret<ffi::AnyBuffer>()    // the buffer, contents unspecified
+                                  .Attr<int64_t>("tag"));   // distinct per call (no merging)

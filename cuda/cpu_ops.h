@@ -10,6 +10,7 @@ XLA_FFI_Error* JaxMoeUnpermuteCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteGradCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeNoopCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeCopyCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeUninitializedCpu(XLA_FFI_CallFrame* call_frame);
 }
 
 #endif  // JAX_MOE_CPU_OPS_H_

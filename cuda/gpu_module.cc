@@ -18,8 +18,10 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
     handlers["jax_moe_unpermute"] = Capsule(JaxMoeUnpermuteCuda);
     handlers["jax_moe_unpermute_grad"] = Capsule(JaxMoeUnpermuteGradCuda);
     handlers["jax_moe_grouped_matmul"] = Capsule(JaxMoeGroupedMatmulCuda);
+    handlers["jax_moe_weight_grad_into"] = Capsule(JaxMoeWeightGradIntoCuda);
     handlers["jax_moe_bench_noop"] = Capsule(JaxMoeNoopCuda);
     handlers["jax_moe_bench_copy"] = Capsule(JaxMoeCopyCuda);
+    handlers["jax_moe_uninitialized"] = Capsule(JaxMoeUninitializedCuda);
     return handlers;
   });
   m.def("grouped_matmul_workspace_bytes", &jax_moe::GroupedGemmWorkspaceBytes, pybind11::arg("num_groups"),

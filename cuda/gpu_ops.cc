@@ -119,6 +119,20 @@ ffi::Error UnpermuteGradImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::Any
   return CudaStatus(LaunchUnpermuteGrad(args, stream), "jax_moe unpermute_grad");
 }
 
+// Launches a grouped GEMM with its per-group arguments in `workspace`. They start at its first
+// 128-byte boundary (a temporary buffer of XLA's may sit at a smaller alignment);
+// GroupedGemmWorkspaceBytes counts that slack.
+ffi::Error LaunchOnWorkspace(GroupedGemmArgs& args, void* workspace, size_t bytes, cudaStream_t stream) {
+  const uintptr_t base = reinterpret_cast<uintptr_t>(workspace);
+  const uintptr_t aligned = (base + 127) / 128 * 128;
+  args.workspace = reinterpret_cast<void*>(aligned);
+  args.workspace_bytes = bytes > aligned - base ? bytes - (aligned - base) : 0;
+  if (bytes < GroupedGemmWorkspaceBytes(args.num_groups))
+    return InvalidArgument("grouped_matmul: the workspace is too small for the grouped GEMM "
+                           "(scratch built without the CUDA module, or for another dtype?)");
+  return CudaStatus(LaunchGroupedGemm(args, stream), "jax_moe grouped_matmul");
+}
+
 // The grouped GEMMs of grouped_gemm.h over the groups of expert_offsets, read on the device. The
 // workspace (the scratch's, or the backward pass's, aliased) holds CUTLASS's per-group arguments.
 //   op forward:     a = rows [R, K],  b = weights [El, K, N], out [<= R, N]
@@ -160,17 +174,39 @@ ffi::Error GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
   args.b = b.untyped_data();
   args.expert_offsets = expert_offsets.typed_data();
   args.out = out->untyped_data();
-  // The argument arrays start at the first 128-byte boundary (a temporary buffer of XLA's may sit
-  // at a smaller alignment); GroupedGemmWorkspaceBytes counts that slack.
-  const uintptr_t base = reinterpret_cast<uintptr_t>(workspace->untyped_data());
-  const uintptr_t aligned = (base + 127) / 128 * 128;
-  args.workspace = reinterpret_cast<void*>(aligned);
-  args.workspace_bytes = workspace->size_bytes() > aligned - base ? workspace->size_bytes() - (aligned - base) : 0;
   args.tile = static_cast<GemmTile>(tile);
-  if (workspace->size_bytes() < GroupedGemmWorkspaceBytes(args.num_groups))
-    return InvalidArgument("grouped_matmul: the workspace is too small for the grouped GEMM "
-                           "(scratch built without the CUDA module, or for another dtype?)");
-  return CudaStatus(LaunchGroupedGemm(args, stream), "jax_moe grouped_matmul");
+  return LaunchOnWorkspace(args, workspace->untyped_data(), workspace->size_bytes(), stream);
+}
+
+// The weight gradient of grouped_gemm.h written into slice `layer` of a stacked gradient (aliased
+// in and out): the step of a training loop over layers, with no per-layer buffer to copy.
+//   a = rows [R, K], b = d_out [R, N], stack [L, El, K, N], layer s32[] (read on the device)
+ffi::Error WeightGradIntoImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                              ffi::Buffer<ffi::S32> expert_offsets, ffi::Buffer<ffi::S32>, ffi::AnyBuffer,
+                              ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> stack,
+                              ffi::Result<ffi::Buffer<ffi::S32>> workspace) {
+  const auto ad = a.dimensions();
+  const auto bd = b.dimensions();
+  const auto sd = stack->dimensions();
+  if (a.element_type() != ffi::BF16 || b.element_type() != ffi::BF16 || stack->element_type() != ffi::BF16)
+    return InvalidArgument("grouped_matmul weight_grad_into: expected bf16 operands");
+  if (ad.size() != 2 || bd.size() != 2 || sd.size() != 4 || bd[0] != ad[0] || sd[2] != ad[1] || sd[3] != bd[1] ||
+      layer.element_count() != 1 || static_cast<int64_t>(expert_offsets.element_count()) != sd[1] + 1)
+    return InvalidArgument("grouped_matmul weight_grad_into: expected rows [R, K], d_out [R, N], a stack "
+                           "[L, El, K, N], expert_offsets [El + 1] and a scalar layer");
+  GroupedGemmArgs args;
+  args.op = GemmOp::kWeightGrad;
+  args.tile = GemmTile::kLargeM;
+  args.num_groups = sd[1], args.k = sd[2], args.n = sd[3], args.out_rows = ad[0];
+  if (args.k % kGemmAlignElements != 0 || args.n % kGemmAlignElements != 0)
+    return InvalidArgument("grouped_matmul weight_grad_into: K and N must be multiples of 8");
+  args.a = a.untyped_data();
+  args.b = b.untyped_data();
+  args.expert_offsets = expert_offsets.typed_data();
+  args.out = stack->untyped_data();
+  args.out_layer = layer.typed_data();
+  args.out_layers = sd[0];
+  return LaunchOnWorkspace(args, workspace->untyped_data(), workspace->size_bytes(), stream);
 }
 
 // Benchmark floor and ceiling: an empty call on a donated buffer, and a device-to-device copy.
@@ -182,6 +218,12 @@ ffi::Error CopyImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::Result<ffi::An
                                     cudaMemcpyDeviceToDevice, stream),
                     "jax_moe copy");
 }
+
+// A buffer XLA allocates and no kernel writes: the start of an array that is later written in
+// full, one slice per loop iteration (the training stack's stacked weight gradients and saved
+// activations), without the fill a zero-initialised array costs. "tag" only keeps XLA from
+// merging two such calls of the same shape into one buffer.
+ffi::Error UninitializedImpl(ffi::Result<ffi::AnyBuffer>, int64_t /*tag*/) { return ffi::Error::Success(); }
 
 }  // namespace
 }  // namespace jax_moe
@@ -211,6 +253,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeGroupedMatmulCuda, jax_moe::GroupedMatmulImp
                                   .Attr<int64_t>("op"),                // GemmOp
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeWeightGradIntoCuda, jax_moe::WeightGradIntoImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // rows [R, K], bf16
+                                  .Arg<ffi::AnyBuffer>()               // d_out [R, N], bf16
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
+                                  .Arg<ffi::AnyBuffer>()               // stack [L, El, K, N] (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // layer, a scalar
+                                  .Ret<ffi::AnyBuffer>()               // stack, slice layer written
+                                  .Ret<ffi::Buffer<ffi::S32>>(),       // workspace
+                              {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeNoopCuda, jax_moe::NoopImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -223,4 +278,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeCopyCuda, jax_moe::CopyImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()   // src
                                   .Ret<ffi::AnyBuffer>(),  // dst, same shape and dtype
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUninitializedCuda, jax_moe::UninitializedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ret<ffi::AnyBuffer>()   // the buffer, contents unspecified
+                                  .Attr<int64_t>("tag"),   // distinct per call (no merging)
                               {ffi::Traits::kCmdBufferCompatible});

@@ -9,8 +9,10 @@ XLA_FFI_Error* JaxMoePermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteGradCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeGroupedMatmulCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeWeightGradIntoCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeNoopCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeCopyCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeUninitializedCuda(XLA_FFI_CallFrame* call_frame);
 }
 
 #endif  // JAX_MOE_GPU_OPS_H_

@@ -11,6 +11,8 @@ PERMUTE_TARGET = "jax_moe_permute"
 UNPERMUTE_TARGET = "jax_moe_unpermute"
 UNPERMUTE_GRAD_TARGET = "jax_moe_unpermute_grad"
 GROUPED_MATMUL_TARGET = "jax_moe_grouped_matmul"  # CUDA only
+WEIGHT_GRAD_INTO_TARGET = "jax_moe_weight_grad_into"  # CUDA only
+UNINITIALIZED_TARGET = "jax_moe_uninitialized"
 
 
 def _register(module_name: str, platform: str):

@@ -84,7 +84,8 @@ def shared_experts(layer_params: dict, x: jax.Array) -> jax.Array | None:
     return out.astype(x.dtype)
 
 
-def _swiglu_forward(rows, gate_up, down, offsets, workspace, num_rows, tile):
+def swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows: int, tile: int):
+    """``(out [num_rows, H], workspace, hidden [num_rows, 2F])``: the grouped SwiGLU, no autodiff rule."""
     hidden, workspace = gemm.forward(rows, gate_up, offsets, workspace, num_rows, tile)
     out, workspace = gemm.forward(gated_silu(hidden, rows.dtype), down, offsets, workspace, num_rows, tile)
     return out, workspace, hidden
@@ -92,12 +93,12 @@ def _swiglu_forward(rows, gate_up, down, offsets, workspace, num_rows, tile):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _swiglu_grouped(rows, gate_up, down, offsets, workspace, num_rows, tile):
-    out, workspace, _ = _swiglu_forward(rows, gate_up, down, offsets, workspace, num_rows, tile)
+    out, workspace, _ = swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows, tile)
     return out, workspace
 
 
 def _swiglu_grouped_fwd(rows, gate_up, down, offsets, workspace, num_rows, tile):
-    out, workspace, hidden = _swiglu_forward(rows, gate_up, down, offsets, workspace, num_rows, tile)
+    out, workspace, hidden = swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows, tile)
     # Residuals: this layer's live rows and groups (a scan stacks them per layer, so the next
     # layer's in-place permute cannot clobber them), the [num_rows, 2F] gate/up product (the
     # activation is recomputed from it: [num_rows, F] less to keep), the weights by reference, and
@@ -106,16 +107,43 @@ def _swiglu_grouped_fwd(rows, gate_up, down, offsets, workspace, num_rows, tile)
     return (out, workspace), residuals
 
 
-def _swiglu_grouped_bwd(num_rows, tile, residuals, cotangents):
-    rows, hidden, offsets, gate_up, down, rows_like = residuals
-    d_out = cotangents[0].astype(rows.dtype)
+def swiglu_grouped_grad(rows, hidden, offsets, gate_up, down, d_out, num_rows: int, tile: int,
+                        stacks=None, layer=None):
+    """The grouped SwiGLU's backward: four grouped GEMMs, the activation recomputed from ``hidden``.
+
+    Args:
+      rows: [num_rows, H] the forward's live input rows; hidden: [num_rows, 2F] its gate/up
+        product; offsets: [El + 1] int32 groups; gate_up [El, H, 2F], down [El, F, H]: the weights
+        (rows' dtype); d_out: [num_rows, H] the output rows' cotangent.
+      stacks, layer: optional stacked gradients ``(d_gate_up [L, El, H, 2F], d_down [L, El, F, H])``
+        and an int32 layer index: the weight gradients are written into slice ``layer`` of each
+        (``gemm.weight_grad_into``: in place on a GPU).
+
+    Returns:
+      ``(d_rows [num_rows, H], d_gate_up, d_down)``: the weight gradients [El, ...], or the stacks
+      when given. Rows' dtype, float32 accumulation.
+    """
+    d_out = d_out.astype(rows.dtype)
     num_groups = gate_up.shape[0]
     workspace = gemm.backward_workspace(num_groups)
+
+    def weight_grad(a, b, workspace, which):
+        if stacks is None:
+            return gemm.weight_grad(a, b, offsets, workspace, num_groups)
+        return gemm.weight_grad_into(a, b, offsets, workspace, stacks[which], layer)
+
     d_activated, workspace = gemm.input_grad(d_out, down, offsets, workspace, num_rows, tile)
-    d_down, workspace = gemm.weight_grad(gated_silu(hidden, rows.dtype), d_out, offsets, workspace, num_groups)
+    d_down, workspace = weight_grad(gated_silu(hidden, rows.dtype), d_out, workspace, 1)
     d_hidden = gated_silu_grad(hidden, d_activated)
     d_rows, workspace = gemm.input_grad(d_hidden, gate_up, offsets, workspace, num_rows, tile)
-    d_gate_up, _ = gemm.weight_grad(rows, d_hidden, offsets, workspace, num_groups)
+    d_gate_up, _ = weight_grad(rows, d_hidden, workspace, 0)
+    return d_rows, d_gate_up, d_down
+
+
+def _swiglu_grouped_bwd(num_rows, tile, residuals, cotangents):
+    rows, hidden, offsets, gate_up, down, rows_like = residuals
+    d_rows, d_gate_up, d_down = swiglu_grouped_grad(rows, hidden, offsets, gate_up, down, cotangents[0],
+                                                    num_rows, tile)
     d_rows = jnp.pad(d_rows, ((0, rows_like.shape[0] - num_rows), (0, 0)))
     return d_rows, d_gate_up.astype(gate_up.dtype), d_down.astype(down.dtype), None, None
 

@@ -125,6 +125,33 @@ def weight_grad(rows, d_out, offsets, workspace, num_groups: int):
                     fallback, rows, d_out, offsets, workspace)
 
 
+def weight_grad_into(rows, d_out, offsets, workspace, stack, layer):
+    """``weight_grad`` written into slice ``layer`` of a stacked gradient ``stack`` [L, El, K, N].
+
+    layer: an int32 scalar (a loop index: read on the device). Returns ``(stack, workspace)``.
+    On a GPU with a bf16 stack the GEMM writes the slice itself, the stack aliased in and out, so a
+    loop over layers that carries the stack keeps no per-layer gradient and copies nothing;
+    otherwise the gradient is computed and written with ``dynamic_update_slice``.
+    """
+    layer = jnp.asarray(layer, jnp.int32)
+
+    def fallback(r, g, o, ws, s, i):
+        d_weights, ws = weight_grad(r, g, o, ws, s.shape[1])
+        return lax.dynamic_update_index_in_dim(s, d_weights.astype(s.dtype), i, 0), ws
+
+    def native(r, g, o, ws, s, i):
+        call = jax.ffi.ffi_call(
+            _native.WEIGHT_GRAD_INTO_TARGET,
+            (jax.ShapeDtypeStruct(s.shape, s.dtype), jax.ShapeDtypeStruct(ws.shape, ws.dtype)),
+            input_output_aliases={4: 0, 3: 1},
+            vmap_method="sequential")
+        return fence_results(call(r, g, o, ws, s, i))
+
+    if stack.dtype != rows.dtype or not _native.HAS_CUDA:
+        return fallback(rows, d_out, offsets, workspace, stack, layer)
+    return lax.platform_dependent(rows, d_out, offsets, workspace, stack, layer, cuda=native, default=fallback)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _grouped_matmul(rows, weights, offsets, workspace, num_rows, tile):
     return forward(rows, weights, offsets, workspace, num_rows, tile)

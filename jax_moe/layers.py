@@ -13,13 +13,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import _validate, routing
+from jax_moe import _validate, routing, stack
 from jax_moe.config import MoEConfig
 from jax_moe.experts import (SHARED_NAMES, ExpertFn, run_experts, shared_experts,  # noqa: F401
-                             swiglu_experts)
+                             swiglu_experts, uses_grouped_matmul)
 from jax_moe.ops import permute, unpermute
 from jax_moe.routing import route, router_logits, router_scores  # noqa: F401 (public here too, as before)
 from jax_moe.scratch import MoEScratch
+from jax_moe.stack import rms_norm  # noqa: F401 (the stack's normalisation, public here as before)
 
 PARAM_NAMES = ("router", "gate_up", "down")
 # Optional leaves: the correction bias of DeepSeek-V3's routing, and shared experts.
@@ -78,12 +79,6 @@ def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size
     if router_bias:
         params["router_bias"] = jnp.zeros((num_layers, experts), jnp.float32)
     return params
-
-
-def rms_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """Parameter-free RMS normalisation over the last axis, in float32, cast back to x's dtype."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) -> None:
@@ -210,6 +205,11 @@ def moe_stack(params: dict, x: jax.Array, scratch: MoEScratch, *, unroll: int | 
       expert_fn: as in ``moe_layer``.
       with_aux: also return every layer's router signals, stacked.
 
+    With the default experts on the CUDA grouped GEMMs (GPU, bf16) the stack is differentiated as a
+    whole by a hand-written backward (``jax_moe.stack.grouped_stack``) that writes every weight
+    gradient straight into its layer's slice of the stacked gradient: no zero fill, no per-layer
+    copy. Otherwise JAX differentiates the scan of ``moe_layer``.
+
     Returns:
       ``(x_out, scratch)``: x_out of x's shape and dtype, and the scratch to pass to the next step.
       With ``with_aux``: ``(x_out, scratch, aux)``, aux = ``{"router_logits": [L, T, E] float32,
@@ -225,12 +225,19 @@ def moe_stack(params: dict, x: jax.Array, scratch: MoEScratch, *, unroll: int | 
     check_layer_params("moe_stack", params, scratch.config, stacked=True)
     _validate.check_scratch("moe_stack", scratch)
     tokens = _flat_tokens("moe_stack", x, scratch.config)
+    if expert_fn is None and uses_grouped_matmul(params, scratch.config):
+        tokens, scratch, aux = stack.grouped_stack(params, tokens, scratch, unroll=unroll, with_aux=with_aux)
+    else:
+        (tokens, scratch), aux = _scan_layers(params, tokens, scratch, unroll, expert_fn, with_aux)
+    out = jnp.reshape(tokens, jnp.shape(x))
+    return (out, scratch, aux) if with_aux else (out, scratch)
 
+
+def _scan_layers(params, tokens, scratch, unroll, expert_fn, with_aux):
+    """The stack as a ``lax.scan`` of ``moe_layer``, differentiated by JAX."""
     def body(carry, layer_params):
         h, s = carry
         y, s, aux = moe_layer(layer_params, rms_norm(h), s, expert_fn, with_aux=True)
         return (h + y, s), (aux if with_aux else None)
 
-    (tokens, scratch), aux = lax.scan(body, (tokens, scratch), params, unroll=unroll)
-    out = jnp.reshape(tokens, jnp.shape(x))
-    return (out, scratch, aux) if with_aux else (out, scratch)
+    return lax.scan(body, (tokens, scratch), params, unroll=unroll)

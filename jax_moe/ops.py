@@ -91,11 +91,16 @@ def _permute_fwd(x, ids, scratch):
     return out, out.dest_index[:x.shape[0]]
 
 
+def permute_grad(d_permuted: jax.Array, dest: jax.Array) -> jax.Array:
+    """permute's backward: d x [T, H] from d permuted [R, H] and the call's dest [T, k] (no checks).
+
+    d x[t] = sum over kept j of d permuted[dest[t, j]]: an unpermute with unit weights.
+    """
+    return _unpermute_any(d_permuted, jnp.ones(dest.shape, jnp.float32), dest)
+
+
 def _permute_bwd(dest, cotangent: MoEScratch):
-    # d x[t] = sum over kept j of d permuted[dest[t, j]]: an unpermute with unit weights.
-    ones = jnp.ones(dest.shape, jnp.float32)
-    dx = _unpermute_any(cotangent.permuted, ones, dest)
-    return dx, None, None
+    return permute_grad(cotangent.permuted, dest), None, None
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)
@@ -138,12 +143,20 @@ def _unpermute_fwd(y, topk_weights, dest_index):
     return _unpermute_any(y, topk_weights, dest_index), (y, topk_weights, dest_index[:topk_weights.shape[0]])
 
 
-def _unpermute_bwd(residuals, d_out):
-    y, topk_weights, dest = residuals
+def unpermute_grad(d_out: jax.Array, y: jax.Array, topk_weights: jax.Array, dest: jax.Array):
+    """unpermute's backward (no checks): ``(d y [R, H] y's dtype, d w [T, k] topk_weights' dtype)``.
+
+    d y[dest[t, j]] = w[t, j] * d out[t] (zero rows where no route points), d w[t, j] =
+    <y[dest[t, j]], d out[t]>; d_out [T, H], y [R, H], dest [T, k] the call's destination rows.
+    """
     src = invert_dest(dest, y.shape[0])
     d_y, d_w = _on_platform(_unpermute_grad_native, reference.unpermute_grad_unchecked,
                             d_out.astype(y.dtype), y, topk_weights, dest, src)
-    return d_y, d_w.astype(topk_weights.dtype), None
+    return d_y, d_w.astype(topk_weights.dtype)
+
+
+def _unpermute_bwd(residuals, d_out):
+    return (*unpermute_grad(d_out, *residuals), None)
 
 
 unpermute_by_dest.defvjp(_unpermute_fwd, _unpermute_bwd)

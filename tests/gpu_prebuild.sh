@@ -5,16 +5,18 @@
 # .prebuilt in the device call: tests/gpu_build.sh installs those modules instead of building.
 #   bash tests/gpu_prebuild.sh [python3.12 executable]
 set -euo pipefail
-PY=${1:-$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python)}
+# (a pyenv shim for python3.12 may exist and still fail: try it before using it)
+PY=${1:-$(python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || echo /root/.pyenv/versions/3.12.1/bin/python)}
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${PREBUILD_VENV:-/tmp/jax_moe_prebuild_venv}"
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
 "$venv/bin/pip" install -q pybind11 "jaxlib==0.10.2" nvidia-cutlass==4.2.0.0 numpy
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-cmake -S "$repo/cuda" -B "$repo/.prebuilt/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAX_MOE_CUDA=ON \
+build="${PREBUILD_DIR:-/tmp/jax_moe_prebuild_build}"  # kept between runs: a rebuild recompiles only what changed
+cmake -S "$repo/cuda" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAX_MOE_CUDA=ON \
   -DJAX_MOE_CUDA_ARCHITECTURES=90a -Dpybind11_DIR="$site/pybind11/share/cmake/pybind11" \
   -DPython_EXECUTABLE="$venv/bin/python" >/dev/null
-cmake --build "$repo/.prebuilt/build" -j "$(nproc)"
-cp "$repo"/.prebuilt/build/_jax_moe_*.so "$repo/.prebuilt/"
-rm -rf "$repo/.prebuilt/build"  # only the modules travel (the device call's size limit)
+cmake --build "$build" -j "$(nproc)"
+mkdir -p "$repo/.prebuilt"
+cp "$build"/_jax_moe_*.so "$repo/.prebuilt/"  # only the modules travel (the device call's size limit)
 ls -la "$repo"/.prebuilt/*.so

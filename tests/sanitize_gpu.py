@@ -1,12 +1,17 @@
 """A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths,
 padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward; the grouped
-GEMM forward and its input- and weight-gradient kernels. Prints one line per case.
+GEMM forward and its input- and weight-gradient kernels (also written into a stacked gradient); the
+training stack's gradients. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
 """
 
 import os
 import sys
+
+# The sanitizer tracks kernels launched one by one: no CUDA-graph command buffers (racecheck
+# crashed on the training stack's graphed loops).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
 import jax
 import numpy as np
@@ -50,3 +55,17 @@ for num_tokens in (24, 3000):
     finite = all(bool(np.isfinite(np.asarray(a, np.float32)).all()) for a in (out, d_rows, d_w))
     print("grouped_matmul T", num_tokens, "live rows", int(scratch.expert_offsets[-1]),
           "out and gradients finite", finite, "empty experts' d_w zero", not np.asarray(d_w[20:], np.float32).any())
+    # The weight gradient written into a slice of a stacked gradient.
+    stack, _ = jax.jit(jax_moe.gemm.weight_grad_into)(scratch.permuted, out, scratch.expert_offsets,
+                                                      jax_moe.gemm.backward_workspace(64),
+                                                      jax.numpy.ones((3,) + w.shape, w.dtype), np.int32(2))
+    print("weight_grad_into: slices 0, 1 untouched", bool((np.asarray(stack[:2], np.float32) == 1).all()),
+          "empty experts zero", not np.asarray(stack[2, 20:], np.float32).any())
+
+# The training stack on the grouped GEMMs (jax_moe.stack): forward saves, backward writes in place.
+config = jax_moe.MoEConfig(num_experts=16, top_k=4, hidden_size=256, max_tokens=64, align=8)
+params = jax_moe.init_moe_params(jax.random.key(0), config, 3, 128)
+x = jax.random.normal(jax.random.key(1), (40, 256)).astype(jax.numpy.bfloat16)
+stack_loss = lambda p, x: jax.numpy.mean(jax_moe.moe_stack(p, x, jax_moe.init_scratch(config))[0].astype(np.float32) ** 2)
+grads = jax.jit(jax.grad(stack_loss, argnums=(0, 1)))(params, x)
+print("moe_stack gradients finite", all(bool(np.isfinite(np.asarray(g, np.float32)).all()) for g in jax.tree.leaves(grads)))

@@ -9,6 +9,7 @@ float32, and the compiled training step's HLO (no float32 copy of any weight).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -112,6 +113,64 @@ def test_swiglu_grouped_backward_equals_autodiff_of_swiglu_experts(align, num_to
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
 
 
+# The whole stack's hand-written backward (jax_moe.stack.grouped_stack) on CPU, its GEMMs on the
+# ragged_dot fallback: float32, so it must equal JAX's autodiff of the scan of moe_layer with the
+# same grouped experts to rounding. Each case: (config fields, shared width, shared gate, router
+# bias, token shape, unroll).
+GROUPED_STACK_CASES = {
+    "mixtral-like": (dict(), None, False, False, (20,), 1),
+    "deepseek-routing-shared": (dict(scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                     renormalize_epsilon=1e-20), 16, False, True, (20,), 1),
+    "qwen-shared-gate-align-map-partial-batch-unrolled": (
+        dict(align=4, expert_map=tuple(-1 if e % 3 == 0 else e - e // 3 - 1 for e in range(8))), 16, True, False,
+        (2, 6), True),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUPED_STACK_CASES))
+def test_grouped_stack_backward_equals_autodiff_of_the_scan(case, monkeypatch):
+    from jax_moe import experts, layers, routing
+    fields, shared, shared_gate, router_bias, token_shape, unroll = GROUPED_STACK_CASES[case]
+    config = MoEConfig(num_experts=8, top_k=2, hidden_size=32, max_tokens=20, dtype=jnp.float32, **fields)
+    params = jax_moe.init_moe_params(jax.random.key(5), config, 3, 24, shared_ffn_size=shared,
+                                     shared_gate=shared_gate, router_bias=router_bias)
+    if router_bias:  # a bias that changes the choices (it gets no gradient either way)
+        params["router_bias"] = jax.random.normal(jax.random.key(6), params["router_bias"].shape) * 0.3
+    x = jax.random.normal(jax.random.key(7), token_shape + (32,), jnp.float32)
+    # On CPU the default experts are ragged_dot's; make both sides take the grouped-GEMM experts.
+    monkeypatch.setattr(experts, "uses_grouped_matmul", lambda *a: True)
+    monkeypatch.setattr(layers, "uses_grouped_matmul", lambda *a: True)
+
+    def loss(stack_fn, p, x):
+        y, _, aux = stack_fn(p, x)
+        # The router's logits get a cotangent of their own (z-loss), as in training with_aux.
+        return jnp.mean(jnp.square(y)) + 0.1 * routing.router_z_loss(aux["router_logits"])
+
+    def ours(p, x):
+        out, s, aux = jax_moe.moe_stack(p, x, init_scratch(config), unroll=unroll, with_aux=True)
+        return out, s, aux
+
+    def theirs(p, x):
+        (out, s), aux = layers._scan_layers(p, x.reshape(-1, 32), init_scratch(config), unroll, None, True)
+        return out.reshape(x.shape), s, aux
+
+    hlo = jax.jit(jax.grad(functools.partial(loss, ours), argnums=(0, 1))).lower(params, x).as_text()
+    assert "jax_moe_uninitialized" in hlo  # the grouped stack ran, with its unfilled buffers
+    got = jax.jit(jax.grad(functools.partial(loss, ours), argnums=(0, 1)))(params, x)
+    want = jax.jit(jax.grad(functools.partial(loss, theirs), argnums=(0, 1)))(params, x)
+    np.testing.assert_allclose(np.asarray(ours(params, x)[0]), np.asarray(theirs(params, x)[0]), rtol=0, atol=0)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for path, g, w in zip([p for p, _ in jax.tree_util.tree_leaves_with_path(want)], jax.tree.leaves(got),
+                          jax.tree.leaves(want)):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape and g.dtype == w.dtype, path
+        if "router_bias" in str(path):
+            assert (g == 0).all() and (w == 0).all(), path  # chooses experts only: no gradient
+            continue
+        assert np.abs(w).max() > 0, path
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max(), err_msg=str(path))
+
+
 # ---- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -149,11 +208,17 @@ def _check_backward_kernels(config, scratch, ffn, num_rows):
     def run(rows, d_out, weights, offsets):
         ws = gemm.backward_workspace(num_local)
         d_rows, ws = gemm.input_grad(d_out, weights, offsets, ws, num_rows, tile)
-        d_w, _ = gemm.weight_grad(rows, d_out, offsets, ws, num_local)
+        d_w, ws = gemm.weight_grad(rows, d_out, offsets, ws, num_local)
         empty = (offsets[1:] - offsets[:-1]) == 0
         return d_rows, d_w, jnp.any(jnp.where(empty[:, None, None], d_w, 0) != 0)
 
     d_rows, d_w, nonzero_empty = run(scratch.permuted, d_out, weights, scratch.expert_offsets)
+    if 3 * d_w.size * 2 < 2**32:  # also written into slice 1 of a 3-layer stack (ones elsewhere)
+        stack, _ = jax.jit(gemm.weight_grad_into)(scratch.permuted, d_out, scratch.expert_offsets,
+                                                  gemm.backward_workspace(num_local),
+                                                  jnp.ones((3,) + d_w.shape, d_w.dtype), jnp.int32(1))
+        assert bool(jnp.all(stack[0] == 1) & jnp.all(stack[2] == 1)), "weight_grad_into wrote outside its slice"
+        assert bool(jnp.all(stack[1] == d_w)), "weight_grad_into differs from weight_grad"
     offsets = np.asarray(scratch.expert_offsets)
     sizes = np.diff(offsets)
     assert not bool(nonzero_empty), "experts without rows must get exactly zero weight gradient"
@@ -316,6 +381,13 @@ def test_gpu_training_step_runs_native_backward_without_float32_weight_copies():
     # Two grouped GEMMs in the forward loop body, four in the backward's; unpermute's native backward.
     assert hlo.count('custom_call_target="jax_moe_grouped_matmul"') >= 6
     assert 'custom_call_target="jax_moe_unpermute_grad"' in hlo
+    # The stacked weight gradients start unfilled (jax_moe.stack): no broadcast fills an array of
+    # the stacked weights' shape.
+    assert 'custom_call_target="jax_moe_uninitialized"' in hlo
+    for name in ("gate_up", "down"):
+        dims = ",".join(map(str, params[name].shape))
+        fills = [line for line in hlo.splitlines() if f"bf16[{dims}]" in line and " broadcast(" in line]
+        assert not fills, f"the stacked {name} gradient is filled: {fills[0][:200]}"
     # It runs, and its gradients are finite.
     (value, _), grads = step(params, x, init_scratch(config))
     assert np.isfinite(float(value))
