@@ -1,7 +1,7 @@
 """A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths,
 padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward; the grouped
-GEMM forward and its input- and weight-gradient kernels (also written into a stacked gradient); the
-training stack's gradients. Prints one line per case.
+GEMM forward and its input- and weight-gradient kernels (also written into a stacked gradient); with
+--stack, the training stack's gradients. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
 """
@@ -62,10 +62,17 @@ for num_tokens in (24, 3000):
     print("weight_grad_into: slices 0, 1 untouched", bool((np.asarray(stack[:2], np.float32) == 1).all()),
           "empty experts zero", not np.asarray(stack[2, 20:], np.float32).any())
 
-# The training stack on the grouped GEMMs (jax_moe.stack): forward saves, backward writes in place.
-config = jax_moe.MoEConfig(num_experts=16, top_k=4, hidden_size=256, max_tokens=64, align=8)
-params = jax_moe.init_moe_params(jax.random.key(0), config, 3, 128)
-x = jax.random.normal(jax.random.key(1), (40, 256)).astype(jax.numpy.bfloat16)
-stack_loss = lambda p, x: jax.numpy.mean(jax_moe.moe_stack(p, x, jax_moe.init_scratch(config))[0].astype(np.float32) ** 2)
-grads = jax.jit(jax.grad(stack_loss, argnums=(0, 1)))(params, x)
-print("moe_stack gradients finite", all(bool(np.isfinite(np.asarray(g, np.float32)).all()) for g in jax.tree.leaves(grads)))
+# The training stack on the grouped GEMMs (jax_moe.stack), with --stack: compute-sanitizer's
+# racecheck itself crashed (segmentation fault) while XLA compiled this step on the H200, after
+# every kernel above had run without a reported hazard, so the default run leaves it out.
+if "--stack" in sys.argv:
+    config = jax_moe.MoEConfig(num_experts=16, top_k=4, hidden_size=256, max_tokens=64, align=8)
+    params = jax_moe.init_moe_params(jax.random.key(0), config, 3, 128)
+    x = jax.random.normal(jax.random.key(1), (40, 256)).astype(jax.numpy.bfloat16)
+
+    def stack_loss(p, x):
+        y = jax_moe.moe_stack(p, x, jax_moe.init_scratch(config))[0]
+        return jax.numpy.mean(y.astype(np.float32) ** 2)
+    grads = jax.jit(jax.grad(stack_loss, argnums=(0, 1)))(params, x)
+    print("moe_stack gradients finite",
+          all(bool(np.isfinite(np.asarray(g, np.float32)).all()) for g in jax.tree.leaves(grads)))
