@@ -65,8 +65,10 @@ MODELS = {m.name: m for m in (
     ModelShape("deepseek_v3", "DeepSeek-V3", 256, 8, 7168, ffn_size=2048, stack_layers=4,
                routing=dict(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5,
                             renormalize_epsilon=1e-20), shared_ffn=2048, router_bias=True),
-    # One sigmoid-gated shared expert; its width is taken as F here.
-    ModelShape("qwen35_397b", "Qwen3.5-397B-A17B", 512, 10, 4096, ffn_size=1024, shared_ffn=1024, shared_gate=True),
+    # One sigmoid-gated shared expert; its width is taken as F here. Stack: 6.4 GB of experts per
+    # layer; 8 layers (the real model has 60).
+    ModelShape("qwen35_397b", "Qwen3.5-397B-A17B", 512, 10, 4096, ffn_size=1024, stack_layers=8, shared_ffn=1024,
+               shared_gate=True),
     # CPU development and tests: the whole harness in seconds.
     ModelShape("tiny", "tiny (CPU test)", 8, 2, 64, ffn_size=32, stack_layers=2),
 )}
