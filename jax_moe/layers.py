@@ -20,7 +20,7 @@ from jax_moe.experts import (SHARED_NAMES, ExpertFn, run_experts, shared_experts
 from jax_moe.ops import permute, unpermute
 from jax_moe.routing import route, router_logits, router_scores  # noqa: F401 (public here too, as before)
 from jax_moe.scratch import MoEScratch
-from jax_moe.stack import rms_norm  # noqa: F401 (the stack's normalisation, public here as before)
+from jax_moe.stack import rms_norm  # public here too, as before the stack module held it
 
 PARAM_NAMES = ("router", "gate_up", "down")
 # Optional leaves: the correction bias of DeepSeek-V3's routing, and shared experts.

@@ -26,7 +26,7 @@ from jax import lax
 
 from jax_moe import _native, gemm, ops, routing
 from jax_moe.config import MoEConfig
-from jax_moe.experts import gated_silu, shared_experts, swiglu_grouped_forward, swiglu_grouped_grad
+from jax_moe.experts import shared_experts, swiglu_grouped_forward, swiglu_grouped_grad
 from jax_moe.scratch import MoEScratch
 
 EXPERT_WEIGHTS = ("gate_up", "down")
@@ -159,7 +159,7 @@ def _stack_bwd(config, unroll, with_aux, residuals, cotangents):
         d_h, grads = carry
         layer, layer_params, (h, rows, hidden, out_rows, dest, offsets), d_logits_layer = xs
         small, gate_up, down = _split(layer_params)
-        (n, weights, logits, shared), dense_vjp, _ = jax.vjp(lambda h, small: _dense(small, h, config), h, small,
+        (_, weights, logits, shared), dense_vjp, _ = jax.vjp(lambda h, small: _dense(small, h, config), h, small,
                                                              has_aux=True)
         # d y = d h: the residual connection passes it on unchanged and into the layer's output.
         d_out_rows, d_weights = ops.unpermute_grad(d_h, out_rows, weights, dest)
@@ -169,7 +169,8 @@ def _stack_bwd(config, unroll, with_aux, residuals, cotangents):
         d_n = ops.permute_grad(d_rows, dest)
         d_logits_layer = jnp.zeros_like(logits) if d_logits_layer is None else d_logits_layer
         d_h_dense, d_small = dense_vjp((d_n, d_weights, d_logits_layer, None if shared is None else d_h))
-        grads = {**_set_layer({n: grads[n] for n in d_small}, layer, d_small), "gate_up": d_gate_up, "down": d_down}
+        small_grads = _set_layer({name: grads[name] for name in d_small}, layer, d_small)
+        grads = {**small_grads, "gate_up": d_gate_up, "down": d_down}
         return (d_h + d_h_dense, grads), None
 
     xs = (jnp.arange(num_layers, dtype=jnp.int32), params, saved, d_logits)
