@@ -38,14 +38,22 @@ max_tokens n*C). ``init_scratch_ep`` stacks the n of them on a leading device ax
 through the layer ``scan`` in the carry and written in place by the aliased FFI calls, so a jitted
 step that donates it gets it back in the same buffers, with no copies.
 
-``lax.ragged_all_to_all`` (send only the live rows of each bucket) is not used: XLA:CPU in jaxlib
-0.10.2 cannot compile it ("HLO opcode ragged-all-to-all is not supported by XLA:CPU ThunkEmitter",
-measured), so it could not be tested here.
+Dropless exchange (``init_scratch_ep(..., ragged=True)``, no capacity factor): the buckets keep the
+same layout, but the rows go out and back with ``lax.ragged_all_to_all``, which sends only each
+bucket's live rows (the routes, T_l * k per device) instead of all n * C slots: the bytes of the
+fixed layout's empty slots are never sent. The routes' local expert ids (4 bytes a slot) still go
+with a plain ``all_to_all``: they say which received slots are live, and give the receive sizes
+with no extra collective. Slots nothing was sent to keep unspecified contents; id -1 marks them,
+so permute never reads them, and the combine reads only live slots. XLA:CPU cannot compile
+``ragged_all_to_all`` (jaxlib 0.10.2 to 0.11.2: "HLO opcode ragged-all-to-all is not supported"),
+so on CPU the same layout goes through ``all_to_all`` whole: the results are identical, only the
+bytes differ.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -71,6 +79,31 @@ Exchange = Callable[[jax.Array, str], jax.Array]
 def all_to_all(blocks: jax.Array, axis_name: str) -> jax.Array:
     """Sends ``blocks[p]`` to device p of ``axis_name``; returns the blocks received, by source."""
     return lax.all_to_all(blocks, axis_name, split_axis=0, concat_axis=0, tiled=True)
+
+
+def ragged_all_to_all(rows: jax.Array, send_sizes: jax.Array, recv_sizes: jax.Array, axis_name: str) -> jax.Array:
+    """``all_to_all`` of the block layout [n * C, H] sending only the first ``send_sizes[p]`` rows of block p.
+
+    Block p's live rows land in block ``me`` of device p's result; ``recv_sizes[q]`` is how many
+    arrive from device q. Rows past each block's live count are unspecified in the result. On a GPU
+    ``lax.ragged_all_to_all``; elsewhere (XLA:CPU cannot compile it) the whole blocks go through
+    ``lax.all_to_all``, which gives the same live rows.
+    """
+    num_devices = send_sizes.shape[0]
+    capacity = rows.shape[0] // num_devices
+
+    def ragged(rows, send_sizes, recv_sizes):
+        me = lax.axis_index(axis_name).astype(jnp.int32)
+        block_starts = jnp.arange(num_devices, dtype=jnp.int32) * capacity
+        output_offsets = jnp.full((num_devices,), me * capacity, jnp.int32)  # my block on every peer
+        return lax.ragged_all_to_all(rows, jnp.zeros_like(rows), block_starts, send_sizes, output_offsets,
+                                     recv_sizes, axis_name=axis_name)
+
+    def whole(rows, send_sizes, recv_sizes):
+        del send_sizes, recv_sizes
+        return all_to_all(rows.reshape(num_devices, capacity, *rows.shape[1:]), axis_name).reshape(rows.shape)
+
+    return lax.platform_dependent(rows, send_sizes, recv_sizes, cuda=ragged, default=whole)
 
 
 # --- placement and capacity -----------------------------------------------------------------------
@@ -156,6 +189,8 @@ class ExpertParallelScratch:
       num_devices: n, the size of the expert axis.
       placement: the slot of each global expert (see the module docstring), or None (identity).
       capacity_factor: the per-peer capacity rule of ``peer_capacity`` (None: never overflows).
+      ragged: the rows' exchange sends only live rows (``lax.ragged_all_to_all`` on GPUs; see the
+        module docstring). Requires ``capacity_factor`` None.
     """
 
     local: MoEScratch
@@ -163,6 +198,7 @@ class ExpertParallelScratch:
     num_devices: int
     placement: tuple[int, ...] | None
     capacity_factor: float | None
+    ragged: bool = False
 
     @property
     def capacity(self) -> int:
@@ -176,7 +212,7 @@ class ExpertParallelScratch:
 
 
 jax.tree_util.register_dataclass(ExpertParallelScratch, data_fields=["local"],
-                                 meta_fields=["config", "num_devices", "placement", "capacity_factor"])
+                                 meta_fields=["config", "num_devices", "placement", "capacity_factor", "ragged"])
 
 
 def _axis_size(op: str, mesh, axis_name) -> int:
@@ -200,7 +236,7 @@ def _check_divisible(op: str, config: MoEConfig, num_devices: int) -> None:
 
 
 def init_scratch_ep(config: MoEConfig, mesh, axis_name: str, *, placement: Sequence[int] | None = None,
-                    capacity_factor: float | None = None) -> ExpertParallelScratch:
+                    capacity_factor: float | None = None, ragged: bool = False) -> ExpertParallelScratch:
     """Allocates every device's scratch once, directly in its sharded place.
 
     Args:
@@ -210,6 +246,8 @@ def init_scratch_ep(config: MoEConfig, mesh, axis_name: str, *, placement: Seque
       mesh: the ``jax.sharding.Mesh``; ``axis_name``: its expert (and token) axis, of size n.
       placement: [E] ints, the slot of each global expert (see the module docstring); None: identity.
       capacity_factor: the per-peer capacity rule (``peer_capacity``); None never overflows.
+      ragged: dropless, sending only live rows (``lax.ragged_all_to_all`` on GPUs); needs
+        ``capacity_factor`` None. The buffers are the same as without it.
 
     Returns:
       An ``ExpertParallelScratch`` (per device: ``buffer_shapes(local_config(...))``; leaves with a
@@ -224,6 +262,9 @@ def init_scratch_ep(config: MoEConfig, mesh, axis_name: str, *, placement: Seque
     if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(
             capacity_factor, (int, float)) or not capacity_factor > 0):
         raise _fail(op, "capacity_factor", "None or a positive number", repr(capacity_factor))
+    if not isinstance(ragged, bool) or (ragged and capacity_factor is not None):
+        raise _fail(op, "ragged", "a bool, and False when capacity_factor is set (the ragged exchange is dropless)",
+                    f"{ragged!r} with capacity_factor={capacity_factor!r}")
     capacity = peer_capacity(config, num_devices, config.max_tokens // num_devices, capacity_factor)
     per_device = local_config(config, num_devices, capacity)
 
@@ -233,7 +274,7 @@ def init_scratch_ep(config: MoEConfig, mesh, axis_name: str, *, placement: Seque
 
     local = jax.jit(make, out_shardings=NamedSharding(mesh, P(axis_name)))()
     return ExpertParallelScratch(local, config, num_devices, placement,
-                                 None if capacity_factor is None else float(capacity_factor))
+                                 None if capacity_factor is None else float(capacity_factor), ragged)
 
 
 def shard_params(params: dict, mesh, axis_name: str, *, placement: Sequence[int] | None = None) -> dict:
@@ -305,7 +346,8 @@ def _dispatch_plan(ids: jax.Array, slots: jax.Array, num_local: int, num_devices
 
 def _local_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch, *, config: MoEConfig,
                  slots: jax.Array, num_devices: int, capacity: int, axis_name: str,
-                 expert_fn: ExpertFn | None, exchange: Exchange) -> tuple[jax.Array, MoEScratch, jax.Array]:
+                 expert_fn: ExpertFn | None, exchange: Exchange,
+                 ragged: bool) -> tuple[jax.Array, MoEScratch, jax.Array]:
     """One expert-parallel layer as one device sees it inside ``shard_map``.
 
     Args:
@@ -313,6 +355,8 @@ def _local_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch, *, confi
         (this device's experts in local index order).
       x: [T_l, H] this device's tokens.
       scratch: this device's receive-side ``MoEScratch`` (``local_config``).
+      ragged: the rows go out and back with ``ragged_all_to_all`` (only live rows), unless
+        ``exchange`` is not the default ``all_to_all`` (the benchmark's identity).
 
     Returns:
       ``(y [T_l, H] x.dtype, scratch, dropped [] int32)``: dropped counts this device's overflowed
@@ -326,15 +370,26 @@ def _local_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch, *, confi
     # Rows to send, one per slot; empty slots are zero rows (and id -1: the receiver drops them).
     token = jnp.maximum(send_route, 0) // config.top_k
     send_rows = jnp.where((send_route >= 0)[:, None], x[token], jnp.zeros((), x.dtype))
-    recv_rows = exchange(send_rows.reshape(num_devices, capacity, hidden), axis_name).reshape(-1, hidden)
-    recv_ids = exchange(send_local_id.reshape(num_devices, capacity), axis_name).reshape(-1, 1)
+    recv_ids = exchange(send_local_id.reshape(num_devices, capacity), axis_name)
+    if ragged and exchange is all_to_all:
+        # A bucket's live slots come first (ranks 0, 1, ...): its size is its count of ids >= 0.
+        send_sizes = jnp.sum(send_local_id.reshape(num_devices, capacity) >= 0, axis=1, dtype=jnp.int32)
+        recv_sizes = jnp.sum(recv_ids >= 0, axis=1, dtype=jnp.int32)
+        rows_exchange = functools.partial(ragged_all_to_all, axis_name=axis_name)
+        recv_rows = rows_exchange(send_rows, send_sizes, recv_sizes)
+        exchange_back = lambda rows: rows_exchange(rows, recv_sizes, send_sizes)  # noqa: E731
+    else:
+        recv_rows = exchange(send_rows.reshape(num_devices, capacity, hidden), axis_name).reshape(-1, hidden)
+        exchange_back = lambda rows: exchange(rows.reshape(num_devices, capacity, hidden),  # noqa: E731
+                                              axis_name).reshape(-1, hidden)
+    recv_ids = recv_ids.reshape(-1, 1)
 
     # The single-device layer on the received rows: one route per row, weights 1 (exact).
     scratch = permute(recv_rows, recv_ids, lax.stop_gradient(scratch))
     rows_out, scratch = run_experts(expert_fn, layer_params, scratch, recv_rows.shape[0])
     recv_out = unpermute(rows_out, jnp.ones((recv_rows.shape[0], 1), jnp.float32), scratch)
 
-    back = exchange(recv_out.reshape(num_devices, capacity, hidden), axis_name).reshape(-1, hidden)
+    back = exchange_back(recv_out)
     # The same native weighted sum as the single-device unpermute; overflowed routes (slot -1) give 0.
     y = unpermute_by_dest(back, weights, route_slot)
     shared = shared_experts(layer_params, x)  # replicated weights, this device's tokens
@@ -412,7 +467,7 @@ def _run(op, params, x, scratch, mesh, axis_name, expert_fn, exchange, stacked, 
     config = scratch.config
     slots = placement_array(scratch.placement, config.num_experts)
     layer = dict(config=config, num_devices=num_devices, capacity=capacity, axis_name=axis_name,
-                 expert_fn=expert_fn, exchange=exchange)
+                 expert_fn=expert_fn, exchange=exchange, ragged=scratch.ragged)
     param_specs, token_spec = _specs(axis_name, stacked, params)
     params = {name: params[name] for name in param_specs}
     scratch_spec = jax.tree.map(lambda _: P(axis_name), scratch.local)

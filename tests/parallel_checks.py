@@ -79,10 +79,11 @@ def single_device_stack(params, x, config):
     return jax.jit(lambda p, h: moe_stack(p, h, init_scratch(config))[0])(params, x)
 
 
-def ep_stack(params, x, config, mesh, placement=None, capacity_factor=None, unroll=1):
+def ep_stack(params, x, config, mesh, placement=None, capacity_factor=None, unroll=1, ragged=False):
     """The sharded stack on ``mesh`` from global params; returns (y, dropped) as NumPy."""
     sharded = ep.shard_params(params, mesh, AXIS, placement=placement)
-    scratch = ep.init_scratch_ep(config, mesh, AXIS, placement=placement, capacity_factor=capacity_factor)
+    scratch = ep.init_scratch_ep(config, mesh, AXIS, placement=placement, capacity_factor=capacity_factor,
+                                 ragged=ragged)
     x = jax.device_put(x, NamedSharding(mesh, P(AXIS)))
     step = jax.jit(lambda p, h, s: ep.moe_stack_ep(p, h, s, mesh=mesh, axis_name=AXIS, unroll=unroll),
                    donate_argnums=2)
@@ -135,14 +136,15 @@ def masked_single_device_stack(params, x, config, num_devices, placement, capaci
 # --- checks ---------------------------------------------------------------------------------------
 
 def check_equal(num_devices, placement_seed=None, explicit=False, num_tokens=None, unroll=1,
-                dtype=jnp.float32, align=1, deepseek=False):
-    """The sharded stack equals the single-device stack (no overflow: default capacity)."""
+                dtype=jnp.float32, align=1, deepseek=False, ragged=False):
+    """The sharded stack equals the single-device stack (no overflow: default capacity; or ragged)."""
     config = config_for(num_devices, dtype, align=align, **(DEEPSEEK_ROUTING if deepseek else {}))
     num_tokens = num_tokens or config.max_tokens
     params, x = inputs(config, num_tokens, seed=num_devices, shared=deepseek)
     placement = None if placement_seed is None else random_placement(placement_seed)
     expected = single_device_stack(params, x, config)
-    actual, dropped = ep_stack(params, x, config, mesh_for(num_devices, explicit), placement, unroll=unroll)
+    actual, dropped = ep_stack(params, x, config, mesh_for(num_devices, explicit), placement, unroll=unroll,
+                               ragged=ragged)
     assert dropped.shape == (L,) and not dropped.any(), dropped
     if dtype == jnp.float32:
         assert_close(actual, expected, f"{num_devices}-way stack vs single device")
@@ -207,7 +209,7 @@ def check_overflow(num_devices, capacity_factor, placement_seed):
     return f"C={capacity}, dropped per layer {dropped.tolist()} of {config.max_tokens * K}"
 
 
-def check_grad(num_devices, placement_seed, capacity_factor=None):
+def check_grad(num_devices, placement_seed, capacity_factor=None, ragged=False):
     """jax.grad through the sharded stack equals the single-device gradient (params and x)."""
     config = config_for(num_devices)
     params, x = inputs(config, config.max_tokens, seed=21)
@@ -227,7 +229,8 @@ def check_grad(num_devices, placement_seed, capacity_factor=None):
         return jnp.sum(jnp.sin(y)), s
 
     expected = jax.jit(jax.grad(single_loss, argnums=(0, 1)))(params, x)
-    scratch = ep.init_scratch_ep(config, mesh, AXIS, placement=placement, capacity_factor=capacity_factor)
+    scratch = ep.init_scratch_ep(config, mesh, AXIS, placement=placement, capacity_factor=capacity_factor,
+                                 ragged=ragged)
     grad = jax.jit(jax.grad(sharded_loss, argnums=(0, 1), has_aux=True), donate_argnums=2)
     (d_params, d_x), _ = grad(ep.shard_params(params, mesh, AXIS, placement=placement), x, scratch)
     assert_close(d_x, expected[1], "d x")
@@ -326,6 +329,7 @@ def check_errors():
     raises(lambda: ep.init_scratch_ep(config, "mesh", AXIS), "mesh", "Mesh")
     raises(lambda: ep.init_scratch_ep(config, mesh, AXIS, placement=[0] * E), "placement", "permutation")
     raises(lambda: ep.init_scratch_ep(config, mesh, AXIS, capacity_factor=0), "capacity_factor")
+    raises(lambda: ep.init_scratch_ep(config, mesh, AXIS, capacity_factor=2.0, ragged=True), "ragged", "dropless")
     raises(lambda: ep.init_scratch_ep(config_for(4, expert_map=tuple(range(E))), mesh, AXIS), "expert_map")
     raises(lambda: call(x=x[:6]), "x", "multiple", "6")
     raises(lambda: call(x=jnp.zeros((2 * config.max_tokens, H), jnp.float32)), "x", "at most")
@@ -348,7 +352,12 @@ def check_bench_suite(num_devices):
     assert {r["devices"] for r in rows} == {num_devices}
     ep_rows = [r for r in rows if r["case"] == "ep"]
     capacities = parallel_suite.distinct_capacities(MODELS["tiny"].config(2 * num_devices), num_devices, 2)
-    assert [r["capacity"] for r in ep_rows] == list(capacities) and all("collectives_us" in r for r in ep_rows)
+    dropless = [parallel_suite.DROPLESS] if parallel_suite.facts()["ragged_all_to_all"] == "supported" else []
+    assert [r["capacity"] for r in ep_rows] == list(capacities) + dropless
+    assert all("collectives_us" in r for r in ep_rows)
+    for r in ep_rows:  # bytes: the fixed layout sends all n*C slots, dropless only the T*k routes
+        want = 2 * MODELS["tiny"].top_k if r["capacity"] == parallel_suite.DROPLESS else num_devices * r["C"]
+        assert r["rows_sent"] == want and r["bytes_sent"] == want * MODELS["tiny"].hidden_size * 2, r
     return "; ".join(f"{r['capacity']}: {r['us_per_layer']:.0f} us/layer, collectives {r['collectives_us']:.0f}"
                      for r in ep_rows)
 
@@ -366,6 +375,8 @@ CHECKS = {
     "overflow_8way_capacity_1": lambda: check_overflow(8, 0.5, placement_seed=4),
     "grad_4way_noncontiguous": lambda: check_grad(4, placement_seed=6),
     "grad_8way_overflow": lambda: check_grad(8, placement_seed=8, capacity_factor=0.5),
+    "equal_4way_ragged": lambda: check_equal(4, placement_seed=11, ragged=True),
+    "grad_4way_ragged": lambda: check_grad(4, placement_seed=12, ragged=True),
     "no_scratch_copies_8way": lambda: check_no_scratch_copies(8),
     "errors": check_errors,
     "bench_suite_8way": lambda: check_bench_suite(8),
@@ -404,6 +415,10 @@ def gpu_checks(n: int) -> dict:
         "overflow": full_f32(lambda: check_overflow(n, 0.5, placement_seed=4)),
         "grad_noncontiguous": full_f32(lambda: check_grad(n, placement_seed=6)),
         "grad_overflow": full_f32(lambda: check_grad(n, placement_seed=8, capacity_factor=0.5)),
+        "equal_ragged": full_f32(lambda: check_equal(n, placement_seed=11, ragged=True)),
+        "equal_ragged_bf16_align8": lambda: check_equal(n, placement_seed=13, dtype=jnp.bfloat16, align=8,
+                                                        ragged=True),
+        "grad_ragged": full_f32(lambda: check_grad(n, placement_seed=12, ragged=True)),
         "no_scratch_copies_f32": lambda: check_no_scratch_copies(n),
         "no_scratch_copies_bf16_grouped_gemm": lambda: check_no_scratch_copies(
             n, jnp.bfloat16, align=8, custom_call="jax_moe_grouped_matmul"),

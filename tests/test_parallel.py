@@ -41,6 +41,8 @@ EIGHT_DEVICE_CHECKS = (
     "overflow_8way_capacity_1",
     "grad_4way_noncontiguous",
     "grad_8way_overflow",
+    "equal_4way_ragged",
+    "grad_4way_ragged",
     "no_scratch_copies_8way",
     "errors",
     "bench_suite_8way",
@@ -58,6 +60,9 @@ GPU_CHECKS = (
     "overflow",
     "grad_noncontiguous",
     "grad_overflow",
+    "equal_ragged",
+    "equal_ragged_bf16_align8",
+    "grad_ragged",
     "no_scratch_copies_f32",
     "no_scratch_copies_bf16_grouped_gemm",
     "bench_suite",
@@ -146,6 +151,60 @@ def test_one_device_mesh_equals_moe_stack(explicit):
     assert isinstance(scratch, ep.ExpertParallelScratch) and scratch.local.permuted.shape[0] == 1
 
 
+def test_one_device_ragged_exchange_equals_moe_stack_with_gradients():
+    """The dropless ragged exchange (lax.ragged_all_to_all on a GPU, where this runs the op itself;
+    the whole-block all_to_all on CPU) gives moe_stack's output and gradients."""
+    config = MoEConfig(num_experts=E, top_k=K, hidden_size=H, max_tokens=T, dtype=jnp.float32)
+    params = init_moe_params(jax.random.key(4), config, L, F)
+    x = jax.random.normal(jax.random.key(5), (T, H), jnp.float32)
+    mesh = _one_device_mesh()
+    placement = (2, 5, 0, 7, 1, 3, 6, 4)
+
+    def single(p, h):
+        return jnp.sum(jnp.sin(moe_stack(p, h, init_scratch(config))[0]))
+
+    def sharded(p, h, s):
+        y, s, dropped = ep.moe_stack_ep(p, h, s, mesh=mesh, axis_name="ep")
+        return jnp.sum(jnp.sin(y)), (s, dropped)
+
+    with jax.default_matmul_precision("highest"):
+        value, grads = jax.jit(jax.value_and_grad(single, argnums=(0, 1)))(params, x)
+        scratch = ep.init_scratch_ep(config, mesh, "ep", placement=placement, ragged=True)
+        assert scratch.ragged
+        step = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1), has_aux=True), donate_argnums=2)
+        (ep_value, (scratch, dropped)), (d_params, d_x) = step(
+            ep.shard_params(params, mesh, "ep", placement=placement), x, scratch)
+    assert not np.asarray(dropped).any() and scratch.ragged
+    np.testing.assert_allclose(float(ep_value), float(value), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(d_x), np.asarray(grads[1]), rtol=1e-5, atol=1e-5)
+    order = np.asarray(placement)
+    for name in ("router", "gate_up", "down"):
+        got = np.asarray(d_params[name])
+        got = got if name == "router" else got[:, order]  # slot order -> global expert order
+        np.testing.assert_allclose(got, np.asarray(grads[0][name]), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_ragged_exchange_lowers_to_ragged_all_to_all_for_gpus():
+    """Lowered for CUDA (possible on any machine) the dropless stack sends its rows with
+    ragged_all_to_all, out and back, and its gradient transposes both."""
+    config = MoEConfig(num_experts=E, top_k=K, hidden_size=H, max_tokens=T, dtype=jnp.float32)
+    params = init_moe_params(jax.random.key(0), config, L, F)
+    x = jnp.zeros((T, H), jnp.float32)
+    mesh = _one_device_mesh()
+    sharded = ep.shard_params(params, mesh, "ep")
+
+    def loss(p, h, s):
+        return jnp.sum(ep.moe_stack_ep(p, h, s, mesh=mesh, axis_name="ep")[0])
+
+    for ragged, want in ((True, 2), (False, 0)):
+        scratch = ep.init_scratch_ep(config, mesh, "ep", ragged=ragged)
+        forward = jax.jit(loss).trace(sharded, x, scratch).lower(lowering_platforms=("cuda",)).as_text()
+        backward = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(sharded, x, scratch).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert forward.count("ragged_all_to_all") == want, (ragged, forward.count("ragged_all_to_all"))
+        assert backward.count("ragged_all_to_all") == 2 * want
+
+
 def test_one_device_overflow_is_counted():
     # One device: each token's k routes all go to device 0, so C = ceil(0.5 * T * k) keeps the first
     # half of the routes in flat order and drops the rest, in every layer.
@@ -214,12 +273,18 @@ def test_parallel_bench_suite_on_one_device(tmp_path):
     # One device, T=2, k=2: cf=2's C (ceil(2*2*2/1) capped at 2*min(k, E)) is no-drop's, so it is not rerun.
     capacities = parallel_suite.distinct_capacities(MODELS["tiny"].config(2), 1, 2)
     assert capacities == ("no-drop",)
+    dropless = parallel_suite.facts()["ragged_all_to_all"] == "supported"  # a GPU: the ragged exchange runs
     assert {(r["case"], r["capacity"]) for r in rows} == {(c.name, c.capacity or "-")
-                                                          for c in parallel_suite.cases(capacities)}
+                                                          for c in parallel_suite.cases(capacities, dropless)}
+    for row in rows:
+        if row["case"] == "ep":  # T=2, k=2: 4 live routes; no-drop sends its n*C slots, dropless the routes
+            want = 4 if row["capacity"] == parallel_suite.DROPLESS else row["C"]
+            assert (row["rows_sent"], row["live_rows"]) == (want, 4), row
     assert any("ragged_all_to_all" in n for n in notes)
     for row in rows:
-        if row["case"] == "ep":
-            local = next(r for r in rows if (r["case"], r["capacity"]) == ("ep/no-collective", row["capacity"]))
+        if row["case"] == "ep":  # dropless has no program of its own without collectives: no-drop's
+            rule = "no-drop" if row["capacity"] == parallel_suite.DROPLESS else row["capacity"]
+            local = next(r for r in rows if (r["case"], r["capacity"]) == ("ep/no-collective", rule))
             assert row["collectives_us"] == pytest.approx(row["us_per_layer"] - local["us_per_layer"])
             if row["us_per_layer"] > 0:  # CPU noise can make a tiny per-layer difference negative
                 assert row["collective_share_pct"] == pytest.approx(100 * row["collectives_us"] / row["us_per_layer"])

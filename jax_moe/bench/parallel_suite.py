@@ -17,6 +17,10 @@ For each model, T and per-peer capacity rule, these programs are timed per layer
 collectives = ep - ep/no-collective (µs per layer), share = collectives / ep. Capacity rules:
 ``no-drop`` (C = T_per_device * min(k, El): nothing can overflow; n times the mean load) and
 ``cf=2`` (C = ceil(2 * T_per_device * k / n)); the routes dropped at cf=2 are counted and reported.
+Where ``lax.ragged_all_to_all`` runs (GPUs), ``dropless``: no-drop's buffers with the ragged
+exchange, which sends only the live rows (``init_scratch_ep(..., ragged=True)``); only its ``ep``
+program is timed (its no-collective program is no-drop's). Every row reports the rows (and bytes)
+each device sends per layer and direction, against the live rows (the routes kept).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ LAYER_COUNTS = (1, 2)
 QUICK_MODELS = ("qwen3_30b",)
 QUICK_TOKENS = (16,)
 CAPACITY_FACTORS = {"no-drop": None, "cf=2": 2.0}
+DROPLESS = "dropless"  # no-drop's capacity, rows sent with ragged_all_to_all (only where it runs)
 
 NOTES = (
     "T is tokens per device; the stack runs n*T tokens over the n devices of the mesh axis.",
@@ -61,6 +66,9 @@ NOTES = (
     "Experts are SwiGLU as moe_layer runs them: on a GPU (bf16) the CUDA grouped GEMM "
     "(jax_moe.grouped_matmul), elsewhere jax.lax.ragged_dot; rows are bf16.",
     "A capacity rule whose C equals no-drop's (e.g. cf=2 on 2 devices) is the same program: not run again.",
+    "rows sent = rows each device sends per layer and direction (fixed layouts: all n*C slots, empty ones "
+    "included; dropless: the live rows only); live rows = the routes kept (T*k less the dropped); bytes = "
+    "rows x H x 2 (bf16).",
 )
 
 
@@ -70,11 +78,18 @@ class Case:
     capacity: str | None  # a CAPACITY_FACTORS key; None for single-device
 
 
-def cases(capacities=tuple(CAPACITY_FACTORS)) -> tuple[Case, ...]:
+def cases(capacities=tuple(CAPACITY_FACTORS), dropless: bool = False) -> tuple[Case, ...]:
     out = []
     for capacity in capacities:
         out += [Case("ep", capacity), Case("ep/no-collective", capacity), Case("all_to_all", capacity)]
+    if dropless:
+        out.append(Case("ep", DROPLESS))
     return (*out, Case("single-device", None))
+
+
+def capacity_factor(rule: str):
+    """The ``capacity_factor`` of a capacity rule (dropless: no-drop's)."""
+    return None if rule == DROPLESS else CAPACITY_FACTORS[rule]
 
 
 def distinct_capacities(config, num_devices: int, tokens: int) -> tuple[str, ...]:
@@ -135,7 +150,7 @@ def build_program(case: Case, model: ModelShape, tokens: int, mesh: Mesh, params
         device = jax.devices()[0]
         return Program(fn, lambda: (_fresh(x, device), jax_moe.init_scratch(config, device)), local_params)
 
-    factor = CAPACITY_FACTORS[case.capacity]
+    factor = capacity_factor(case.capacity)
     sharding = NamedSharding(mesh, P(AXIS))
     if case.name == "all_to_all":
         capacity = parallel.peer_capacity(config, n, tokens, factor)
@@ -163,7 +178,7 @@ def build_program(case: Case, model: ModelShape, tokens: int, mesh: Mesh, params
         y, scratch, _ = parallel.moe_stack_ep(layer_params, *state, mesh=mesh, axis_name=AXIS, _exchange=exchange)
         return y, scratch
     return Program(fn, lambda: (_fresh(x, sharding), parallel.init_scratch_ep(
-        config, mesh, AXIS, capacity_factor=factor)), params)
+        config, mesh, AXIS, capacity_factor=factor, ragged=case.capacity == DROPLESS)), params)
 
 
 def dropped_routes(model: ModelShape, tokens: int, mesh: Mesh, params: dict, x: jax.Array, factor) -> int:
@@ -180,14 +195,27 @@ def _row(model: ModelShape, tokens: int, n: int, case: Case) -> dict:
            "H": model.hidden_size, "F": model.ffn_size, "devices": n, "T": tokens, "T_global": n * tokens,
            "case": case.name, "capacity": case.capacity or "-"}
     if case.capacity is not None:
-        config = model.config(n * tokens)
-        row["C"] = parallel.peer_capacity(config, n, tokens, CAPACITY_FACTORS[case.capacity])
-        row["rows_exchanged"] = n * row["C"]  # rows each device sends (and receives) per layer, each way
+        row.update(exchange_volume(model, tokens, n, case.capacity))
     return row
 
 
+def exchange_volume(model: ModelShape, tokens: int, num_devices: int, rule: str) -> dict:
+    """What one device sends per layer and direction under a capacity rule (tokens per device).
+
+    ``C``; ``rows_sent``: every slot of the fixed layout (n*C, empty ones included), or for
+    dropless the live rows alone (every route kept, one row each); ``bytes_sent`` (bf16 rows);
+    ``live_rows``: the routes, T*k (less the dropped ones, which the run counts).
+    """
+    config = model.config(num_devices * tokens)
+    capacity = parallel.peer_capacity(config, num_devices, tokens, capacity_factor(rule))
+    rows_sent = tokens * model.top_k if rule == DROPLESS else num_devices * capacity
+    return {"C": capacity, "rows_sent": rows_sent, "live_rows": tokens * model.top_k,
+            "bytes_sent": rows_sent * model.hidden_size * jnp.dtype(ROW_DTYPE).itemsize}
+
+
 def measure_model(model: ModelShape, token_counts, layer_counts, mesh: Mesh, clock: timing.Clock,
-                  compile_threads: int, seed: int = 0, time_limit_s=None, notes=None) -> list[dict]:
+                  compile_threads: int, seed: int = 0, time_limit_s=None, notes=None,
+                  ragged_supported: bool = False) -> list[dict]:
     n = mesh.shape[AXIS]
     key = jax.random.PRNGKey(seed)
     config = model.config(n * max(token_counts))
@@ -200,6 +228,7 @@ def measure_model(model: ModelShape, token_counts, layer_counts, mesh: Mesh, clo
     single_params = {layers: first(local_params, layers) for layers in layer_counts}
     clock.log(f"parallel {model.name}: {n} device(s), L={layer_counts}, F={model.ffn_size}")
     rows = []
+    dropless = ragged_supported
     for tokens in token_counts:
         if clock.out_of_time(time_limit_s, notes, f"{model.name} T={tokens}"):
             continue
@@ -209,7 +238,7 @@ def measure_model(model: ModelShape, token_counts, layer_counts, mesh: Mesh, clo
         for name in CAPACITY_FACTORS:
             if name not in capacities:
                 clock.log(f"parallel {model.name} T={tokens} {name}: same C as no-drop, not run again")
-        for case in cases(capacities):
+        for case in cases(capacities, dropless=dropless):
             row = _row(model, tokens, n, case)
             try:
                 program = build_program(case, model, tokens, mesh, params, single_params, x)
@@ -246,11 +275,12 @@ def measure_model(model: ModelShape, token_counts, layer_counts, mesh: Mesh, clo
                 row["spread_us"] = measured["spread_s"] * 1e6
                 row["program_us"] = {str(k): s * 1e6 for k, s in measured["program_s"].items()}
                 row["repeats"] = measured["repeats"]
-                if case.name == "ep" and CAPACITY_FACTORS[case.capacity] is not None:
+                if case.name == "ep" and capacity_factor(case.capacity) is not None:
                     layers = max(layer_counts)
                     row["dropped_routes"] = dropped_routes(model, tokens, mesh, params[layers], x,
-                                                           CAPACITY_FACTORS[case.capacity])
+                                                           capacity_factor(case.capacity))
                     row["dropped_pct"] = 100.0 * row["dropped_routes"] / (layers * n * tokens * model.top_k)
+                    row["live_rows"] -= row["dropped_routes"] / (layers * n)  # per device and layer
                 clock.log(f"{where}: {row['us_per_layer']:.1f} us/layer")
             except Exception as e:
                 row["error"] = timing.describe_error(e)
@@ -271,7 +301,7 @@ def derive(rows: list[dict]) -> None:
     for row in rows:
         if row["case"] != "ep" or row.get("us_per_layer") is None:
             continue
-        local = _find(rows, row, "ep/no-collective")
+        local = _find(rows, row, "ep/no-collective", "no-drop" if row["capacity"] == DROPLESS else None)
         if local and local.get("us_per_layer") is not None:
             row["collectives_us"] = row["us_per_layer"] - local["us_per_layer"]
             if row["us_per_layer"] > 0:
@@ -312,7 +342,8 @@ def run(models: list[ModelShape], token_counts, clock: timing.Clock, compile_thr
             continue
         timing.measure_isolated(rows, notes, clock, f"{model.name}: failed before any program ran",
                                 lambda: measure_model(model, token_counts, layer_counts, mesh, clock,
-                                                      compile_threads, time_limit_s=time_limit_s, notes=notes),
+                                                      compile_threads, time_limit_s=time_limit_s, notes=notes,
+                                                      ragged_supported=support == "supported"),
                                 on_rows)
     return rows, notes
 
@@ -325,7 +356,7 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         if row["case"] != "ep":
             continue
-        local = _find(rows, row, "ep/no-collective")
+        local = _find(rows, row, "ep/no-collective", "no-drop" if row["capacity"] == DROPLESS else None)
         alone = _find(rows, row, "all_to_all")
         single = _find(rows, row, "single-device", "-")
 
@@ -335,10 +366,11 @@ def table(rows: list[dict]) -> str:
         lines.append([row["label"], str(row["devices"]), str(row["T"]), row["capacity"], str(row.get("C", "")),
                       us(row), us(local), fmt_us(row.get("collectives_us")), fmt_pct(row.get("collective_share_pct")),
                       us(alone), us(single), fmt_ratio(row.get("ratio_to_single_device")),
-                      report.MISSING if "dropped_pct" not in row else f"{row['dropped_pct']:.1f}%"])
+                      report.MISSING if "dropped_pct" not in row else f"{row['dropped_pct']:.1f}%",
+                      f"{row['rows_sent']:,}", f"{row['live_rows']:,.0f}", f"{row['bytes_sent'] / 2**20:,.1f}"])
     return report.table(["model", "n", "T/device", "capacity", "C", "ep µs/layer", "ep/no-collective",
                          "collectives µs", "share", "all_to_all alone", "single device", "ep / single",
-                         "dropped"], lines)
+                         "dropped", "rows sent", "live rows", "MiB sent"], lines)
 
 
 def markdown(record: dict) -> str:
