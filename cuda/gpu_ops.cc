@@ -119,10 +119,18 @@ ffi::Error UnpermuteGradImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::Any
   return CudaStatus(LaunchUnpermuteGrad(args, stream), "jax_moe unpermute_grad");
 }
 
-// Launches a grouped GEMM with its per-group arguments in `workspace`. They start at its first
-// 128-byte boundary (a temporary buffer of XLA's may sit at a smaller alignment);
-// GroupedGemmWorkspaceBytes counts that slack.
-ffi::Error LaunchOnWorkspace(GroupedGemmArgs& args, void* workspace, size_t bytes, cudaStream_t stream) {
+// Launches a grouped GEMM whose op, tile and sizes `args` already holds, on these operands. The
+// per-group arguments go in `workspace` from its first 128-byte boundary (a temporary buffer of
+// XLA's may sit at a smaller alignment); GroupedGemmWorkspaceBytes counts that slack.
+ffi::Error LaunchOnWorkspace(GroupedGemmArgs& args, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                             const ffi::Buffer<ffi::S32>& expert_offsets, void* out, void* workspace, size_t bytes,
+                             cudaStream_t stream) {
+  if (args.k % kGemmAlignElements != 0 || args.n % kGemmAlignElements != 0)
+    return InvalidArgument("grouped_matmul: K and N must be multiples of 8");
+  args.a = a.untyped_data();
+  args.b = b.untyped_data();
+  args.expert_offsets = expert_offsets.typed_data();
+  args.out = out;
   const uintptr_t base = reinterpret_cast<uintptr_t>(workspace);
   const uintptr_t aligned = (base + 127) / 128 * 128;
   args.workspace = reinterpret_cast<void*>(aligned);
@@ -168,14 +176,9 @@ ffi::Error GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
   }
   if (!shapes_ok || static_cast<int64_t>(expert_offsets.element_count()) != args.num_groups + 1)
     return InvalidArgument("grouped_matmul: operand shapes do not fit the op, or expert_offsets is not [El + 1]");
-  if (args.k % kGemmAlignElements != 0 || args.n % kGemmAlignElements != 0)
-    return InvalidArgument("grouped_matmul: K and N must be multiples of 8");
-  args.a = a.untyped_data();
-  args.b = b.untyped_data();
-  args.expert_offsets = expert_offsets.typed_data();
-  args.out = out->untyped_data();
   args.tile = static_cast<GemmTile>(tile);
-  return LaunchOnWorkspace(args, workspace->untyped_data(), workspace->size_bytes(), stream);
+  return LaunchOnWorkspace(args, a, b, expert_offsets, out->untyped_data(), workspace->untyped_data(),
+                           workspace->size_bytes(), stream);
 }
 
 // The weight gradient of grouped_gemm.h written into slice `layer` of a stacked gradient (aliased
@@ -198,15 +201,10 @@ ffi::Error WeightGradIntoImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   args.op = GemmOp::kWeightGrad;
   args.tile = GemmTile::kLargeM;
   args.num_groups = sd[1], args.k = sd[2], args.n = sd[3], args.out_rows = ad[0];
-  if (args.k % kGemmAlignElements != 0 || args.n % kGemmAlignElements != 0)
-    return InvalidArgument("grouped_matmul weight_grad_into: K and N must be multiples of 8");
-  args.a = a.untyped_data();
-  args.b = b.untyped_data();
-  args.expert_offsets = expert_offsets.typed_data();
-  args.out = stack->untyped_data();
   args.out_layer = layer.typed_data();
   args.out_layers = sd[0];
-  return LaunchOnWorkspace(args, workspace->untyped_data(), workspace->size_bytes(), stream);
+  return LaunchOnWorkspace(args, a, b, expert_offsets, stack->untyped_data(), workspace->untyped_data(),
+                           workspace->size_bytes(), stream);
 }
 
 // Benchmark floor and ceiling: an empty call on a donated buffer, and a device-to-device copy.

@@ -147,9 +147,9 @@ def weight_grad_into(rows, d_out, offsets, workspace, stack, layer):
             vmap_method="sequential")
         return fence_results(call(r, g, o, ws, s, i))
 
-    if stack.dtype != rows.dtype or not _native.HAS_CUDA:
+    if stack.dtype != rows.dtype:  # the kernel writes its result's dtype: no conversion in place
         return fallback(rows, d_out, offsets, workspace, stack, layer)
-    return lax.platform_dependent(rows, d_out, offsets, workspace, stack, layer, cuda=native, default=fallback)
+    return _on_cuda(native, fallback, rows, d_out, offsets, workspace, stack, layer)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

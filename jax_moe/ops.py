@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +37,23 @@ def _on_platform(native, fallback, *args):
         cpu=native if _native.HAS_CPU else fallback,
         cuda=native if _native.HAS_CUDA else fallback,
         default=fallback)
+
+
+def uninitialized(shape, dtype) -> jax.Array:
+    """An array of unspecified contents (no fill): the caller writes every element before reading any.
+
+    A native no-op custom call (``jax_moe_uninitialized``) where the modules are built, zeros
+    otherwise. Each call carries a distinct ``tag`` attribute, so XLA never merges two of them.
+    """
+    aval = jax.ShapeDtypeStruct(tuple(int(d) for d in shape), dtype)
+
+    def native():
+        return jax.ffi.ffi_call(_native.UNINITIALIZED_TARGET, aval)(tag=np.int64(next(_uninitialized_tags)))
+
+    return _on_platform(native, lambda: jnp.zeros(aval.shape, aval.dtype))
+
+
+_uninitialized_tags = itertools.count()
 
 
 def fence_results(outputs):

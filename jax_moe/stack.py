@@ -9,7 +9,7 @@ Why: the transpose of a scan collects each layer's parameter gradients as the lo
 outputs, and JAX starts those from zeros: a fill of every weight gradient (a fifth of a
 Qwen3-30B training step), and each layer's gradient is a buffer of its own, copied into the stack
 (XLA's slice fusion does not take a GEMM whose operand is already a slice). Here the stacked
-gradients, and the activations the forward saves, start as ``uninitialized`` buffers that the
+gradients, and the activations the forward saves, start as ``ops.uninitialized`` buffers that the
 loops write one layer's slice at a time: every element is written exactly once, each weight
 gradient by its GEMM straight into its slice (``gemm.weight_grad_into``).
 """
@@ -17,48 +17,23 @@ gradient by its GEMM straight into its slice (``gemm.weight_grad_into``).
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from jax_moe import _native, gemm, ops, routing
+from jax_moe import gemm, ops, routing
 from jax_moe.config import MoEConfig
 from jax_moe.experts import shared_experts, swiglu_grouped_forward, swiglu_grouped_grad
 from jax_moe.scratch import MoEScratch
 
 EXPERT_WEIGHTS = ("gate_up", "down")
-_tags = itertools.count()  # a distinct attribute per uninitialized buffer (XLA must not merge two)
 
 
 def rms_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """Parameter-free RMS normalisation over the last axis, in float32, cast back to x's dtype."""
     x32 = x.astype(jnp.float32)
     return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-
-def uninitialized(shape, dtype) -> jax.Array:
-    """An array of unspecified contents (no fill): the caller writes every element before reading any.
-
-    A native no-op custom call (``jax_moe_uninitialized``) where the modules are built, zeros
-    otherwise.
-    """
-    aval = jax.ShapeDtypeStruct(tuple(int(d) for d in shape), dtype)
-
-    def native():
-        return jax.ffi.ffi_call(_native.UNINITIALIZED_TARGET, aval)(tag=np.int64(next(_tags)))
-
-    def zeros():
-        return jnp.zeros(aval.shape, aval.dtype)
-
-    if not (_native.HAS_CPU or _native.HAS_CUDA):
-        return zeros()
-    if _native.HAS_CPU and _native.HAS_CUDA and jax.default_backend() in ("cpu", "gpu"):
-        return native()
-    return lax.platform_dependent(cpu=native if _native.HAS_CPU else zeros,
-                                  cuda=native if _native.HAS_CUDA else zeros, default=zeros)
 
 
 def _dense(small: dict, h: jax.Array, config: MoEConfig):
@@ -119,7 +94,7 @@ def _forward(params, tokens, scratch: MoEScratch, unroll, with_aux: bool, keep: 
     saved = None
     if keep:
         shapes = _saved_shapes(config, tokens.shape[0], params["down"].shape[-2])
-        saved = tuple(uninitialized((num_layers,) + shape, dtype) for shape, dtype in shapes)
+        saved = tuple(ops.uninitialized((num_layers,) + shape, dtype) for shape, dtype in shapes)
 
     def body(carry, xs):
         h, s, saved = carry
@@ -152,7 +127,7 @@ def _stack_bwd(config, unroll, with_aux, residuals, cotangents):
     num_layers = params["router"].shape[0]
     num_rows = config.live_row_bound(d_out.shape[0])
     tile = gemm.pick_tile(num_rows, config.num_local_experts)
-    grads = {name: uninitialized(a.shape, a.dtype) for name, a in params.items()}
+    grads = {name: ops.uninitialized(a.shape, a.dtype) for name, a in params.items()}
     d_logits = d_aux["router_logits"] if with_aux else None
 
     def body(carry, xs):

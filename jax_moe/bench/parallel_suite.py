@@ -296,12 +296,17 @@ def _find(rows, row, case_name, capacity=None):
                  (row["model"], row["T"], case_name, capacity)), None)
 
 
+def _no_collective(rows, row):
+    """The ep row's program without collectives: its own rule's (dropless has none: no-drop's)."""
+    return _find(rows, row, "ep/no-collective", "no-drop" if row["capacity"] == DROPLESS else None)
+
+
 def derive(rows: list[dict]) -> None:
     """collectives_us = ep - ep/no-collective, share = that / ep; ratio to the single-device stack."""
     for row in rows:
         if row["case"] != "ep" or row.get("us_per_layer") is None:
             continue
-        local = _find(rows, row, "ep/no-collective", "no-drop" if row["capacity"] == DROPLESS else None)
+        local = _no_collective(rows, row)
         if local and local.get("us_per_layer") is not None:
             row["collectives_us"] = row["us_per_layer"] - local["us_per_layer"]
             if row["us_per_layer"] > 0:
@@ -356,7 +361,7 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         if row["case"] != "ep":
             continue
-        local = _find(rows, row, "ep/no-collective", "no-drop" if row["capacity"] == DROPLESS else None)
+        local = _no_collective(rows, row)
         alone = _find(rows, row, "all_to_all")
         single = _find(rows, row, "single-device", "-")
 
