@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "decode_gemm.h"
 #include "ffi_shapes.h"
 #include "gpu_kernels.h"
 #include "grouped_gemm.h"
@@ -207,6 +208,36 @@ ffi::Error WeightGradIntoImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
                            workspace->size_bytes(), stream);
 }
 
+// The decode grouped GEMM of decode_gemm.h: rows [R, K], weights [El, K, N], expert_offsets
+// [El + 1]; out [<= R, N], or [<= R, N / 2] = silu(gate) * up when gated (N = 2F, gate first).
+ffi::Error DecodeMatmulImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
+                            ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> out, bool gated,
+                            int64_t rows_per_pass) {
+  const auto rd = rows.dimensions();
+  const auto wd = weights.dimensions();
+  const auto od = out->dimensions();
+  if (rows.element_type() != ffi::BF16 || weights.element_type() != ffi::BF16 || out->element_type() != ffi::BF16)
+    return InvalidArgument("decode_matmul: expected bf16 operands");
+  if (rd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[1] != rd[1] || od[0] > rd[0] ||
+      od[1] != (gated ? wd[2] / 2 : wd[2]) || static_cast<int64_t>(expert_offsets.element_count()) != wd[0] + 1)
+    return InvalidArgument("decode_matmul: expected rows [R, K], weights [El, K, N], expert_offsets [El + 1] "
+                           "and out [<= R, N] ([<= R, N / 2] when gated)");
+  if (rd[1] % 8 != 0 || wd[2] % (gated ? 16 : 8) != 0)
+    return InvalidArgument("decode_matmul: K and N (N / 2 when gated) must be multiples of 8");
+  if (rows_per_pass != 1 && rows_per_pass != 2 && rows_per_pass != 4 && rows_per_pass != 8)
+    return InvalidArgument("decode_matmul: rows_per_pass must be 1, 2, 4 or 8");
+  DecodeGemmArgs args;
+  args.rows = rows.untyped_data();
+  args.weights = weights.untyped_data();
+  args.expert_offsets = expert_offsets.typed_data();
+  args.out = out->untyped_data();
+  args.out_rows = od[0];
+  args.num_groups = wd[0], args.k = wd[1], args.n = wd[2];
+  args.gated = gated;
+  args.rows_per_pass = static_cast<int>(rows_per_pass);
+  return CudaStatus(LaunchDecodeGemm(args, stream), "jax_moe decode_matmul");
+}
+
 // Benchmark floor and ceiling: an empty call on a donated buffer, and a device-to-device copy.
 ffi::Error NoopImpl(cudaStream_t, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
 
@@ -262,6 +293,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeWeightGradIntoCuda, jax_moe::WeightGradIntoI
                                   .Arg<ffi::Buffer<ffi::S32>>()        // layer, a scalar
                                   .Ret<ffi::AnyBuffer>()               // stack, slice layer written
                                   .Ret<ffi::Buffer<ffi::S32>>(),       // workspace
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeMatmulCuda, jax_moe::DecodeMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // rows [R, K], bf16
+                                  .Arg<ffi::AnyBuffer>()               // weights [El, K, N], bf16
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
+                                  .Ret<ffi::AnyBuffer>()               // out, bf16
+                                  .Attr<bool>("gated")                 // silu(gate) * up epilogue
+                                  .Attr<int64_t>("rows_per_pass"),     // 1, 2, 4 or 8
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeNoopCuda, jax_moe::NoopImpl,

@@ -12,6 +12,7 @@ UNPERMUTE_TARGET = "jax_moe_unpermute"
 UNPERMUTE_GRAD_TARGET = "jax_moe_unpermute_grad"
 GROUPED_MATMUL_TARGET = "jax_moe_grouped_matmul"  # CUDA only
 WEIGHT_GRAD_INTO_TARGET = "jax_moe_weight_grad_into"  # CUDA only
+DECODE_MATMUL_TARGET = "jax_moe_decode_matmul"  # CUDA only
 UNINITIALIZED_TARGET = "jax_moe_uninitialized"
 
 

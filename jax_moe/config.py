@@ -147,6 +147,11 @@ class MoEConfig:
         bound = num_tokens * self.top_k + self.num_local_experts * (self.align - 1)
         return min(self.capacity, -(-bound // self.align) * self.align)
 
+    def group_row_bound(self, num_tokens: int) -> int:
+        """Rows one local expert owns for num_tokens tokens when each token picks distinct experts
+        (as top-k routers do): T, padded to ``align``. A performance hint (repeated ids are legal)."""
+        return -(-num_tokens // self.align) * self.align
+
     def expert_map_array(self) -> np.ndarray:
         """The [E] int32 global -> local map (identity when ``expert_map`` is None)."""
         if self.expert_map is None:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_moe import gemm
+from jax_moe.gemm import gated_silu
 from jax_moe.routing import dot_f32
 from jax_moe.scratch import MoEScratch
 
@@ -28,12 +29,6 @@ from jax_moe.scratch import MoEScratch
 ExpertFn = Callable[[dict, jax.Array, jax.Array], jax.Array]
 # The optional shared expert's param leaves: SwiGLU [H, 2Fs] and [Fs, H], and a [H, 1] gate.
 SHARED_NAMES = ("shared_gate_up", "shared_down", "shared_gate")
-
-
-def gated_silu(hidden: jax.Array, dtype) -> jax.Array:
-    """SwiGLU's activation of the fused [R, 2F] gate/up product, in float32, cast to dtype."""
-    gate, up = jnp.split(hidden.astype(jnp.float32), 2, axis=-1)
-    return (jax.nn.silu(gate) * up).astype(dtype)
 
 
 def gated_silu_grad(hidden: jax.Array, d_activated: jax.Array) -> jax.Array:
@@ -77,28 +72,85 @@ def shared_experts(layer_params: dict, x: jax.Array) -> jax.Array | None:
     if "shared_gate_up" not in layer_params:
         return None
     weight = lambda name: layer_params[name].astype(x.dtype)  # noqa: E731
-    hidden = dot_f32(x, weight("shared_gate_up"))
-    out = dot_f32(gated_silu(hidden, x.dtype), weight("shared_down"))
+    if _shared_on_decode_kernel(x, layer_params["shared_down"].shape[0]):
+        out = _shared_swiglu_decode(x, weight("shared_gate_up"), weight("shared_down"))
+    else:
+        out = _shared_swiglu(x, weight("shared_gate_up"), weight("shared_down"))
     if "shared_gate" in layer_params:
         out = out * jax.nn.sigmoid(dot_f32(x, weight("shared_gate")))
     return out.astype(x.dtype)
 
 
-def swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows: int, tile: int):
-    """``(out [num_rows, H], workspace, hidden [num_rows, 2F])``: the grouped SwiGLU, no autodiff rule."""
-    hidden, workspace = gemm.forward(rows, gate_up, offsets, workspace, num_rows, tile)
-    out, workspace = gemm.forward(gated_silu(hidden, rows.dtype), down, offsets, workspace, num_rows, tile)
+def _shared_swiglu(x, gate_up, down):
+    """The shared SwiGLU expert on XLA's dots: [T, H] float32."""
+    return dot_f32(gated_silu(dot_f32(x, gate_up), x.dtype), down)
+
+
+def _shared_on_decode_kernel(x, ffn_size: int) -> bool:
+    """Whether the shared expert runs on the decode kernel: a GPU, bf16, at most
+    ``gemm.DECODE_MAX_GROUP_ROWS`` tokens (one expert owning every token: a group of T rows).
+
+    Inside a scan over layers XLA copies each layer's slice of the stacked shared weights before
+    its own dot (DeepSeek-V3 at T=1: 43 µs of copies, then 39 µs of matrix-vector products for
+    88 MB of weights) while the custom call reads the slice in place at the copy rate.
+    """
+    return (jax.default_backend() == "gpu" and x.shape[0] <= gemm.DECODE_MAX_GROUP_ROWS
+            and gemm.supports_swiglu(x.dtype, x.shape[1], ffn_size))
+
+
+@jax.custom_vjp
+def _shared_swiglu_decode(x, gate_up, down):
+    """``_shared_swiglu`` on the decode kernel (one group of T rows), rounded to x's dtype; its
+    gradient is the XLA path's."""
+    num_tokens = x.shape[0]
+    offsets = jnp.array([0, num_tokens], jnp.int32)
+    workspace = jnp.zeros((1,), jnp.int32)  # the decode kernel keeps no per-group arguments
+    activated, workspace = gemm.gated_forward(x, gate_up[None], offsets, workspace, num_tokens, gemm.DECODE_TILE,
+                                              group_rows=num_tokens)
+    out, _ = gemm.forward(activated, down[None], offsets, workspace, num_tokens, gemm.DECODE_TILE,
+                          group_rows=num_tokens)
+    return out
+
+
+def _shared_swiglu_decode_fwd(x, gate_up, down):
+    return _shared_swiglu_decode(x, gate_up, down), (x, gate_up, down)
+
+
+def _shared_swiglu_decode_bwd(residuals, d_out):
+    _, vjp = jax.vjp(lambda *a: _shared_swiglu(*a).astype(d_out.dtype), *residuals)
+    return vjp(d_out)
+
+
+_shared_swiglu_decode.defvjp(_shared_swiglu_decode_fwd, _shared_swiglu_decode_bwd)
+
+
+def swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows: int, tile: int,
+                           keep_hidden: bool = True, group_rows: int | None = None):
+    """``(out [num_rows, H], workspace, hidden [num_rows, 2F] or None)``: the grouped SwiGLU, no autodiff rule.
+
+    ``keep_hidden=False`` (no backward to come) lets the decode tile fold the activation into the
+    gate/up GEMM, and hidden comes back None. group_rows: ``gemm.forward``'s.
+    """
+    if keep_hidden:
+        hidden, workspace = gemm.forward(rows, gate_up, offsets, workspace, num_rows, tile, group_rows)
+        activated = gated_silu(hidden, rows.dtype)
+    else:
+        hidden = None
+        activated, workspace = gemm.gated_forward(rows, gate_up, offsets, workspace, num_rows, tile, group_rows)
+    out, workspace = gemm.forward(activated, down, offsets, workspace, num_rows, tile, group_rows)
     return out, workspace, hidden
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _swiglu_grouped(rows, gate_up, down, offsets, workspace, num_rows, tile):
-    out, workspace, _ = swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows, tile)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _swiglu_grouped(rows, gate_up, down, offsets, workspace, num_rows, tile, group_rows):
+    out, workspace, _ = swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows, tile,
+                                               keep_hidden=False, group_rows=group_rows)
     return out, workspace
 
 
-def _swiglu_grouped_fwd(rows, gate_up, down, offsets, workspace, num_rows, tile):
-    out, workspace, hidden = swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows, tile)
+def _swiglu_grouped_fwd(rows, gate_up, down, offsets, workspace, num_rows, tile, group_rows):
+    out, workspace, hidden = swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows, tile,
+                                                    group_rows=group_rows)
     # Residuals: this layer's live rows and groups (a scan stacks them per layer, so the next
     # layer's in-place permute cannot clobber them), the [num_rows, 2F] gate/up product (the
     # activation is recomputed from it: [num_rows, F] less to keep), the weights by reference, and
@@ -140,7 +192,7 @@ def swiglu_grouped_grad(rows, hidden, offsets, gate_up, down, d_out, num_rows: i
     return d_rows, d_gate_up, d_down
 
 
-def _swiglu_grouped_bwd(num_rows, tile, residuals, cotangents):
+def _swiglu_grouped_bwd(num_rows, tile, group_rows, residuals, cotangents):
     rows, hidden, offsets, gate_up, down, rows_like = residuals
     d_rows, d_gate_up, d_down = swiglu_grouped_grad(rows, hidden, offsets, gate_up, down, cotangents[0],
                                                     num_rows, tile)
@@ -163,11 +215,11 @@ def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, num_tokens: 
     """
     config = scratch.config
     dtype = config.dtype
-    num_rows = config.live_row_bound(num_tokens)
-    tile = gemm.pick_tile(num_rows, config.num_local_experts)
+    num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
+    tile = gemm.pick_tile(num_rows, config.num_local_experts, group_rows)
     out, workspace = _swiglu_grouped(scratch.permuted, layer_params["gate_up"].astype(dtype),
                                      layer_params["down"].astype(dtype), scratch.expert_offsets, scratch.workspace,
-                                     num_rows, tile)
+                                     num_rows, tile, group_rows)
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
 
 

@@ -6,11 +6,16 @@ sync, work bounded by the live rows, its per-expert arguments in the scratch's w
 backward runs the two other grouped GEMMs of an expert layer, also native on GPU:
 ``input_grad`` (``d rows = d out @ w[g]^T``) and ``weight_grad`` (``d w[g] = rows_g^T @ d out_g``,
 a reduction over each expert's own rows). Elsewhere all three are ``jax.lax.ragged_dot``.
+
+Few rows per expert (decode) take ``DECODE_TILE``: a CUDA-core kernel of ours
+(cuda/decode_gemm.h) that streams each active expert's weights once over all SMs, with no setup
+kernel, and can fold SwiGLU's activation into the gate/up product (``gated_forward``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,24 +27,63 @@ from jax_moe._validate import check_grouped_matmul_args
 from jax_moe.ops import fence_results
 from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, MoEScratch
 
-# Tile configurations of cuda/grouped_gemm.h (GemmTile): 64-row tiles for few rows per expert
-# (decode), 128 x 256 cooperative tiles once experts average this many rows (prefill).
-SMALL_M_TILE, LARGE_M_TILE = 0, 1
+# Tile configurations of cuda/grouped_gemm.h (GemmTile): 64-row tiles for few rows per expert,
+# 128 x 256 cooperative tiles once experts average this many rows (prefill). DECODE_TILE is the
+# decode kernel (cuda/decode_gemm.h), taken while the experts that own rows expect at most
+# DECODE_MAX_ROWS_PER_EXPERT each (measured crossover: notebooks/results/bench_decode.md); the
+# backward's GEMMs of a decode-tile forward run on the 64-row tile. When the most rows one expert
+# can own is known (group_rows: T with distinct experts per token), the decode kernel also needs
+# it to be at most DECODE_MAX_GROUP_ROWS: with more rows per expert CUTLASS's 64-row tile streams
+# the weights faster (measured: Mixtral at T = 4, 586 vs 535 µs per layer).
+SMALL_M_TILE, LARGE_M_TILE, DECODE_TILE = 0, 1, 2
+TILES = (SMALL_M_TILE, LARGE_M_TILE, DECODE_TILE)
+TILE_NAMES = {SMALL_M_TILE: "small", LARGE_M_TILE: "large", DECODE_TILE: "decode"}
 LARGE_M_MIN_ROWS_PER_EXPERT = 128
+DECODE_MAX_ROWS_PER_EXPERT = 2.0
+DECODE_MAX_GROUP_ROWS = 2
+DECODE_MAX_ROWS_PER_PASS = 8
 # The products of cuda/grouped_gemm.h (GemmOp).
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
 
 
 def supports_grouped_matmul(config, hidden_size: int, ffn_size: int) -> bool:
     """Whether the CUDA grouped GEMM can run a SwiGLU layer of these sizes for ``config``."""
-    return (_native.HAS_CUDA and config.dtype in GROUPED_MATMUL_DTYPES
+    return supports_swiglu(config.dtype, hidden_size, ffn_size)
+
+
+def supports_swiglu(dtype, hidden_size: int, ffn_size: int) -> bool:
+    """Whether the CUDA kernels can run a SwiGLU expert of these sizes on rows of this dtype."""
+    return (_native.HAS_CUDA and dtype in GROUPED_MATMUL_DTYPES
             and hidden_size % GROUPED_MATMUL_ALIGN == 0 and ffn_size % GROUPED_MATMUL_ALIGN == 0)
 
 
-def pick_tile(num_rows: int, num_groups: int) -> int:
-    """The tile configuration for at most num_rows live rows over num_groups experts."""
+def expected_rows_per_expert(num_rows: int, num_groups: int) -> float:
+    """Rows each expert that owns any expects when num_rows rows fall uniformly on num_groups experts."""
+    owning = num_groups * -math.expm1(num_rows * math.log1p(-1.0 / num_groups)) if num_groups > 1 else 1.0
+    return num_rows / max(owning, 1.0)
+
+
+def pick_tile(num_rows: int, num_groups: int, group_rows: int | None = None) -> int:
+    """The kernel configuration for at most num_rows live rows over num_groups experts.
+
+    group_rows: the most rows one expert can own (T with distinct experts per token), when known:
+    the decode kernel is taken only up to DECODE_MAX_GROUP_ROWS of them.
+    """
+    if (expected_rows_per_expert(num_rows, num_groups) <= DECODE_MAX_ROWS_PER_EXPERT
+            and (group_rows is None or group_rows <= DECODE_MAX_GROUP_ROWS)):
+        return DECODE_TILE
     rows_per_expert = num_rows / max(1, min(num_groups, num_rows))
     return LARGE_M_TILE if rows_per_expert >= LARGE_M_MIN_ROWS_PER_EXPERT else SMALL_M_TILE
+
+
+def decode_rows_per_pass(num_rows: int, num_groups: int, group_rows: int | None = None) -> int:
+    """The decode kernel's rows per pass over an expert's weights: 1, 2, 4 or 8.
+
+    Enough for group_rows when given (an expert with more rows reads its weights again: from HBM
+    when they are larger than L2), else for the rows an owning expert expects.
+    """
+    wanted = group_rows if group_rows is not None else expected_rows_per_expert(num_rows, num_groups) - 0.1
+    return next(rows for rows in (1, 2, 4, 8) if rows >= wanted or rows == DECODE_MAX_ROWS_PER_PASS)
 
 
 def backward_workspace(num_groups: int) -> jax.Array:
@@ -54,7 +98,11 @@ def backward_workspace(num_groups: int) -> jax.Array:
     return jnp.zeros((max(words, 1),), jnp.int32)
 
 
-def _call(op, a, b, offsets, workspace, out_shape, tile):
+def _call(op, a, b, offsets, workspace, out_shape, tile, group_rows=None):
+    if tile == DECODE_TILE:  # the decode kernel computes forward products only
+        if op == FORWARD:
+            return _decode_call(a, b, offsets, out_shape, gated=False, group_rows=group_rows), workspace
+        tile = SMALL_M_TILE
     call = jax.ffi.ffi_call(
         _native.GROUPED_MATMUL_TARGET,
         (jax.ShapeDtypeStruct(out_shape, a.dtype), jax.ShapeDtypeStruct(workspace.shape, workspace.dtype)),
@@ -68,6 +116,20 @@ def _call(op, a, b, offsets, workspace, out_shape, tile):
     # weight-sized buffer). The other results keep the fence (ops.fence_results: results with
     # several users made that rewrite run a call twice).
     return out, fence_results(workspace)
+
+
+def _decode_call(rows, weights, offsets, out_shape, gated: bool, group_rows=None):
+    """The decode kernel: out_shape's rows of ``rows @ weights[g]``, or of SwiGLU's activation."""
+    call = jax.ffi.ffi_call(_native.DECODE_MATMUL_TARGET, jax.ShapeDtypeStruct(out_shape, rows.dtype),
+                            vmap_method="sequential")
+    rows_per_pass = decode_rows_per_pass(out_shape[0], weights.shape[0], group_rows)
+    return fence_results(call(rows, weights, offsets, gated=gated, rows_per_pass=np.int64(rows_per_pass)))
+
+
+def gated_silu(hidden: jax.Array, dtype) -> jax.Array:
+    """SwiGLU's activation of the fused [R, 2F] gate/up product, in float32, cast to dtype."""
+    gate, up = jnp.split(hidden.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(dtype)
 
 
 def _on_cuda(native, fallback, *args):
@@ -85,16 +147,38 @@ def _ragged_dot(rows, weights, offsets):
     return lax.ragged_dot(rows, weights, _group_sizes(offsets), preferred_element_type=jnp.float32)
 
 
-def forward(rows, weights, offsets, workspace, num_rows: int, tile: int):
+def forward(rows, weights, offsets, workspace, num_rows: int, tile: int, group_rows: int | None = None):
     """``out [num_rows, N]`` = each group's rows [R, K] @ weights[g] [K, N]; zero rows in no group.
 
-    Returns ``(out, workspace)``. No autodiff rule (``grouped_matmul`` has one).
+    group_rows: the most rows one group can hold, when known (``pick_tile``'s). Returns
+    ``(out, workspace)``. No autodiff rule (``grouped_matmul`` has one).
     """
     def fallback(r, w, o, ws):
         return _ragged_dot(r[:num_rows], w, o).astype(r.dtype), ws
 
-    return _on_cuda(lambda r, w, o, ws: _call(FORWARD, r, w, o, ws, (num_rows, w.shape[2]), tile),
+    return _on_cuda(lambda r, w, o, ws: _call(FORWARD, r, w, o, ws, (num_rows, w.shape[2]), tile, group_rows),
                     fallback, rows, weights, offsets, workspace)
+
+
+def gated_forward(rows, gate_up, offsets, workspace, num_rows: int, tile: int, group_rows: int | None = None):
+    """``activated [num_rows, F]`` = ``gated_silu`` of each group's rows @ gate_up[g] [K, 2F].
+
+    The gate/up product is rounded to rows' dtype before the activation (float32), as when it is
+    stored. With ``DECODE_TILE`` on a GPU the activation is the decode kernel's epilogue (the
+    [num_rows, 2F] product is never written); otherwise ``forward`` then ``gated_silu``. Returns
+    ``(activated, workspace)``. No autodiff rule.
+    """
+    if tile != DECODE_TILE or gate_up.shape[2] % 16:
+        hidden, workspace = forward(rows, gate_up, offsets, workspace, num_rows, tile, group_rows)
+        return gated_silu(hidden, rows.dtype), workspace
+
+    def fallback(r, w, o):
+        return gated_silu(_ragged_dot(r[:num_rows], w, o).astype(r.dtype), r.dtype)
+
+    out_shape = (num_rows, gate_up.shape[2] // 2)
+    activated = _on_cuda(lambda r, w, o: _decode_call(r, w, o, out_shape, gated=True, group_rows=group_rows), fallback,
+                         rows, gate_up, offsets)
+    return activated, workspace
 
 
 def input_grad(d_out, weights, offsets, workspace, num_rows: int, tile: int):
@@ -178,7 +262,7 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def grouped_matmul(rows: jax.Array, weights: jax.Array, scratch: MoEScratch, *,
-                   num_rows: int | None = None) -> tuple[jax.Array, MoEScratch]:
+                   num_rows: int | None = None, tile: int | None = None) -> tuple[jax.Array, MoEScratch]:
     """Each expert's rows times its weights, groups from the scratch's last ``permute``.
 
     Args:
@@ -189,6 +273,8 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, scratch: MoEScratch, *,
         ``workspace`` holds the GEMM's per-expert arguments (written in place when donated).
       num_rows: output rows (default R): the live rows' static bound, so work and memory follow
         the batch rather than R_cap. Rows of groups past it are not computed.
+      tile: the GPU kernel: ``SMALL_M_TILE``, ``LARGE_M_TILE`` or ``DECODE_TILE`` (None: by
+        ``pick_tile`` from the rows each expert expects). Results agree within rounding.
 
     Returns:
       ``(out, scratch)``: out [num_rows, N] bf16 with ``out[i] = rows[i] @ weights[g]`` (f32
@@ -196,11 +282,15 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, scratch: MoEScratch, *,
       ``jax.lax.ragged_dot(rows, weights, group_sizes)``; and the scratch to pass on.
 
     On a GPU this is the CUDA custom call (CUTLASS sm90 ptr-array grouped GEMM, TMA and
-    warp-specialised); elsewhere, or without the CUDA module, ``jax.lax.ragged_dot``. Its gradient
+    warp-specialised; the decode kernel at a few rows per expert); elsewhere, or without the CUDA module, ``jax.lax.ragged_dot``. Its gradient
     runs the input- and weight-gradient grouped GEMMs (``input_grad``, ``weight_grad``): native on
     GPU, bf16 operands with float32 accumulation, no float32 copy of the weights.
     """
     num_rows = check_grouped_matmul_args(rows, weights, scratch, num_rows)
-    tile = pick_tile(num_rows, scratch.config.num_local_experts)
+    if tile is None:
+        tile = pick_tile(num_rows, scratch.config.num_local_experts)
+    elif tile not in TILES:
+        raise ValueError(f"grouped_matmul: tile: expected one of {TILES} (gemm.SMALL_M_TILE, LARGE_M_TILE, "
+                         f"DECODE_TILE) or None, got {tile!r}")
     out, workspace = _grouped_matmul(rows, weights, scratch.expert_offsets, scratch.workspace, num_rows, tile)
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))

@@ -62,23 +62,26 @@ def _saved_shapes(config: MoEConfig, num_tokens: int, ffn_size: int):
             ((config.num_local_experts + 1,), jnp.int32))
 
 
-def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch):
-    """One layer: ``(h + y, scratch, logits [T, E], ids [T, k], saved)`` (``saved`` as _saved_shapes)."""
+def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: bool):
+    """One layer: ``(h + y, scratch, logits [T, E], ids [T, k], saved)`` (``saved`` as _saved_shapes,
+    None unless ``keep``)."""
     config = scratch.config
     num_tokens = h.shape[0]
     small, gate_up, down = _split(layer_params)
     (n, weights, logits, shared), ids = _dense(small, h, config)
     scratch = ops.permute(n, ids, scratch)
-    num_rows = config.live_row_bound(num_tokens)
-    tile = gemm.pick_tile(num_rows, config.num_local_experts)
+    num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
+    tile = gemm.pick_tile(num_rows, config.num_local_experts, group_rows)
     offsets = scratch.expert_offsets
     out_rows, workspace, hidden = swiglu_grouped_forward(
         scratch.permuted, gate_up.astype(config.dtype), down.astype(config.dtype), offsets, scratch.workspace,
-        num_rows, tile)
+        num_rows, tile, keep_hidden=keep, group_rows=group_rows)
     y = ops.unpermute(out_rows, weights, scratch)
     if shared is not None:
         y = y + shared
-    saved = (h, scratch.permuted[:num_rows], hidden, out_rows, scratch.dest_index[:num_tokens], offsets)
+    saved = None
+    if keep:
+        saved = (h, scratch.permuted[:num_rows], hidden, out_rows, scratch.dest_index[:num_tokens], offsets)
     return h + y, scratch.replace(workspace=workspace), logits, ids, saved
 
 
@@ -99,7 +102,7 @@ def _forward(params, tokens, scratch: MoEScratch, unroll, with_aux: bool, keep: 
     def body(carry, xs):
         h, s, saved = carry
         layer, layer_params = xs
-        h, s, logits, ids, layer_saved = _layer_forward(layer_params, h, s)
+        h, s, logits, ids, layer_saved = _layer_forward(layer_params, h, s, keep)
         if keep:
             saved = _set_layer(saved, layer, layer_saved)
         aux = {"router_logits": logits, "expert_counts": routing.expert_counts(ids, config.num_experts)}
@@ -125,8 +128,9 @@ def _stack_bwd(config, unroll, with_aux, residuals, cotangents):
     params, saved = residuals
     d_out, _, d_aux = cotangents
     num_layers = params["router"].shape[0]
-    num_rows = config.live_row_bound(d_out.shape[0])
-    tile = gemm.pick_tile(num_rows, config.num_local_experts)
+    num_tokens = d_out.shape[0]
+    num_rows = config.live_row_bound(num_tokens)
+    tile = gemm.pick_tile(num_rows, config.num_local_experts, config.group_row_bound(num_tokens))
     grads = {name: ops.uninitialized(a.shape, a.dtype) for name, a in params.items()}
     d_logits = d_aux["router_logits"] if with_aux else None
 

@@ -1,6 +1,7 @@
 """A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths,
 padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward; the grouped
-GEMM forward and its input- and weight-gradient kernels (also written into a stacked gradient); with
+GEMM forward and its input- and weight-gradient kernels (also written into a stacked gradient); the
+decode kernel; with
 --stack, the training stack's gradients. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
@@ -61,6 +62,25 @@ for num_tokens in (24, 3000):
                                                       jax.numpy.ones((3,) + w.shape, w.dtype), np.int32(2))
     print("weight_grad_into: slices 0, 1 untouched", bool((np.asarray(stack[:2], np.float32) == 1).all()),
           "empty experts zero", not np.asarray(stack[2, 20:], np.float32).any())
+
+# The decode kernel: plain and gated, one and several passes per expert (rows_per_pass 1 vs up to
+# 40 rows an expert), dropped routes leaving rows past the live count, 64- and 128-column tiles.
+for num_tokens, ffn in ((1, 96), (40, 1024)):
+    config = jax_moe.MoEConfig(num_experts=16, top_k=2, hidden_size=264, max_tokens=num_tokens, align=2)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((num_tokens, 264)).astype(jax.numpy.bfloat16)
+    ids = rng.integers(-1, 6, (num_tokens, 2)).astype(np.int32)
+    scratch = jax.jit(jax_moe.permute)(x, ids, jax_moe.init_scratch(config))
+    w = (rng.standard_normal((16, 264, 2 * ffn)) / 16).astype(jax.numpy.bfloat16)
+    out, _ = jax.jit(lambda r, w, s: jax_moe.grouped_matmul(r, w, s, tile=jax_moe.gemm.DECODE_TILE))(
+        scratch.permuted, w, scratch)
+    gated, _ = jax.jit(lambda r, w, s: jax_moe.gemm.gated_forward(r, w, s.expert_offsets, s.workspace,
+                                                                  config.capacity, jax_moe.gemm.DECODE_TILE))(
+        scratch.permuted, w, scratch)
+    live = int(scratch.expert_offsets[-1])
+    print("decode T", num_tokens, "live rows", live, "finite", bool(np.isfinite(np.asarray(out, np.float32)).all()),
+          "gated finite", bool(np.isfinite(np.asarray(gated, np.float32)).all()),
+          "rows past live zero", not np.asarray(out[live:], np.float32).any())
 
 # The training stack on the grouped GEMMs (jax_moe.stack), with --stack: compute-sanitizer's
 # racecheck itself crashed (segmentation fault) while XLA compiled this step on the H200, after

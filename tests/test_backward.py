@@ -99,7 +99,8 @@ def test_swiglu_grouped_backward_equals_autodiff_of_swiglu_experts(align, num_to
     cot = jnp.asarray(rng.standard_normal((num_rows, 32)), jnp.float32)
 
     def ours(rows, gate_up, down):
-        out, _ = experts._swiglu_grouped(rows, gate_up, down, scratch.expert_offsets, scratch.workspace, num_rows, 0)
+        out, _ = experts._swiglu_grouped(rows, gate_up, down, scratch.expert_offsets, scratch.workspace, num_rows, 0,
+                                         None)
         return jnp.sum(out * cot)
 
     def theirs(rows, gate_up, down):
@@ -394,3 +395,20 @@ def test_gpu_training_step_runs_native_backward_without_float32_weight_copies():
     (value, _), grads = step(params, x, init_scratch(config))
     assert np.isfinite(float(value))
     assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_shared_expert_decode_path_has_the_xla_paths_gradient(num_tokens):
+    """The shared expert on the decode kernel (here its ragged_dot fallback) differentiates as the
+    XLA dots do: the same cotangent gives the same gradients, and the outputs agree to bf16."""
+    from jax_moe import experts
+    rng = np.random.default_rng(num_tokens)
+    x = jnp.asarray(rng.standard_normal((num_tokens, 64)), BF16)
+    gate_up = jnp.asarray(rng.standard_normal((64, 96)) / 8, BF16)
+    down = jnp.asarray(rng.standard_normal((48, 64)) / 7, BF16)
+    out, vjp = jax.vjp(experts._shared_swiglu_decode, x, gate_up, down)
+    want, want_vjp = jax.vjp(lambda *a: experts._shared_swiglu(*a).astype(BF16), x, gate_up, down)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+    cotangent = jnp.asarray(rng.standard_normal(out.shape), BF16)
+    for got, expected in zip(vjp(cotangent), want_vjp(cotangent)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))

@@ -50,8 +50,8 @@ def _reference(rows, weights, scratch, num_rows):
     return np.asarray(out)
 
 
-def _check(rows, weights, scratch, num_rows=None):
-    run = jax.jit(lambda r, w, s: jax_moe.grouped_matmul(r, w, s, num_rows=num_rows))
+def _check(rows, weights, scratch, num_rows=None, tile=None):
+    run = jax.jit(lambda r, w, s: jax_moe.grouped_matmul(r, w, s, num_rows=num_rows, tile=tile))
     out, scratch = run(rows, weights, scratch)
     out = np.asarray(out.astype(jnp.float32))
     want = _reference(rows, weights, scratch, out.shape[0])
@@ -82,6 +82,7 @@ def test_rejects_bad_arguments():
         ((rows[:, :12], _weights(4, 12, 8)), {}, "K (rows.shape[1]): expected a positive multiple of 8"),
         ((rows, _weights(4, 16, 12)), {}, "N (weights.shape[2]): expected a positive multiple of 8"),
         ((rows, w), {"num_rows": 0}, "num_rows: expected an int in [1, 16]"),
+        ((rows, w), {"tile": 3}, "tile: expected one of (0, 1, 2)"),
         ((jnp.zeros((17, 16), BF16), w), {}, "rows: expected a rank-2 array [R, K] with R <= 16"),
     ]
     for args, kwargs, message in cases:
@@ -123,10 +124,37 @@ def test_workspace_is_reserved_only_for_gemm_dtypes():
 
 
 def test_tile_choice_follows_rows_per_expert():
-    assert gemm.pick_tile(8, 256) == gemm.SMALL_M_TILE      # decode: 8 rows over 256 experts
-    assert gemm.pick_tile(8192, 128) == gemm.SMALL_M_TILE   # 64 rows per expert
-    assert gemm.pick_tile(32768, 256) == gemm.LARGE_M_TILE  # 128 rows per expert
+    assert gemm.pick_tile(8, 256) == gemm.DECODE_TILE        # decode: 8 rows over 256 experts
+    assert gemm.pick_tile(128, 128) == gemm.DECODE_TILE      # Qwen3-30B at T=16: ~1.6 rows per owner
+    assert gemm.pick_tile(512, 128) == gemm.SMALL_M_TILE     # Qwen3-30B at T=64: ~4
+    assert gemm.pick_tile(8, 8) == gemm.DECODE_TILE          # Mixtral at T=4: 1.5 rows per expert
+    assert gemm.pick_tile(32, 8) == gemm.SMALL_M_TILE        # Mixtral at T=16: 4
+    assert gemm.pick_tile(8192, 128) == gemm.SMALL_M_TILE    # 64 rows per expert
+    assert gemm.pick_tile(32768, 256) == gemm.LARGE_M_TILE   # 128 rows per expert
     assert gemm.pick_tile(4096, 8) == gemm.LARGE_M_TILE
+    # Knowing the most rows one expert can own (T): the decode kernel up to DECODE_MAX_GROUP_ROWS.
+    assert gemm.pick_tile(8, 128, group_rows=1) == gemm.DECODE_TILE
+    assert gemm.pick_tile(16, 128, group_rows=2) == gemm.DECODE_TILE
+    assert gemm.pick_tile(128, 128, group_rows=16) == gemm.SMALL_M_TILE
+    assert gemm.decode_rows_per_pass(8, 128, group_rows=2) == 2
+    assert gemm.decode_rows_per_pass(8, 128, group_rows=5) == 8
+    # Rows per pass of the decode kernel: what an owning expert expects, as a power of two.
+    assert [gemm.decode_rows_per_pass(r, e) for r, e in [(2, 8), (8, 128), (128, 128), (32, 8), (1, 1)]] \
+        == [1, 1, 2, 4, 1]
+    assert gemm.expected_rows_per_expert(1, 1) == 1.0
+
+
+def test_gated_forward_is_the_activation_of_the_product():
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=16, max_tokens=10, dtype=BF16)
+    scratch = _routed(config, 9)
+    w = _weights(4, 16, 32)
+    rows, offsets, ws = scratch.permuted, scratch.expert_offsets, scratch.workspace
+    for tile in gemm.TILES:
+        got, _ = jax.jit(lambda r, w: gemm.gated_forward(r, w, offsets, ws, 18, tile))(rows, w)
+        hidden, _ = gemm.forward(rows, w, offsets, ws, 18, gemm.SMALL_M_TILE)
+        want = gemm.gated_silu(hidden, BF16)
+        assert got.shape == (18, 16)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2, rtol=1e-2)
 
 
 # ---- the CUDA kernel ----------------------------------------------------------------------------
@@ -148,9 +176,46 @@ def test_gpu_model_shapes_match_ragged_dot(name, num_tokens):
     scratch = _routed(config, num_tokens)
     up = _weights(config.num_experts, config.hidden_size, 2 * ffn)
     hidden, scratch = _check(scratch.permuted, up, scratch)
+    if gemm.pick_tile(config.capacity, config.num_experts) == gemm.DECODE_TILE:
+        _check(scratch.permuted, up, scratch, tile=gemm.SMALL_M_TILE)  # the other kernel agrees too
+        _check_gated(scratch.permuted, up, scratch)
     del up
     down = _weights(config.num_experts, ffn, config.hidden_size, seed=2)
     _check(jnp.asarray(hidden[:, :ffn], BF16), down, scratch)
+
+
+def _check_gated(rows, gate_up, scratch, num_rows=None):
+    """The decode kernel's SwiGLU epilogue against gated_silu of a float32 ragged_dot rounded to bf16."""
+    num_rows = num_rows or rows.shape[0]
+    run = jax.jit(lambda r, w, s: gemm.gated_forward(r, w, s.expert_offsets, s.workspace, num_rows,
+                                                     gemm.DECODE_TILE)[0])
+    got = np.asarray(run(rows, gate_up, scratch), np.float32)
+    hidden = _reference(rows, gate_up, scratch, num_rows)
+    want = np.asarray(gemm.gated_silu(jnp.asarray(hidden, BF16), jnp.float32))
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
+    live = min(int(scratch.expert_offsets[-1]), num_rows)
+    assert not got[live:].any(), "rows in no group must be zero"
+    assert np.abs(got[:live]).sum() > 0
+
+
+DECODE_SHAPES = [(name, t) for name in ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b") for t in (1, 16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,num_tokens", DECODE_SHAPES, ids=[f"{n}-T{t}" for n, t in DECODE_SHAPES])
+def test_gpu_decode_kernel_model_shapes(name, num_tokens):
+    """Decode sizes of the four models: plain and gated products of the decode kernel, both projections
+    (at T=16 pick_tile may prefer CUTLASS: the decode kernel is asked for explicitly)."""
+    config, ffn = _model_config(name, num_tokens)
+    scratch = _routed(config, num_tokens)
+    if num_tokens == 1:
+        assert gemm.pick_tile(config.capacity, config.num_experts, config.group_row_bound(1)) == gemm.DECODE_TILE
+    up = _weights(config.num_experts, config.hidden_size, 2 * ffn)
+    hidden, scratch = _check(scratch.permuted, up, scratch, tile=gemm.DECODE_TILE)
+    _check_gated(scratch.permuted, up, scratch)
+    del up
+    down = _weights(config.num_experts, ffn, config.hidden_size, seed=2)
+    _check(jnp.asarray(hidden[:, :ffn], BF16), down, scratch, tile=gemm.DECODE_TILE)
 
 
 @pytest.mark.gpu
@@ -162,6 +227,10 @@ def test_gpu_edge_cases_match_ragged_dot(case):
     w = _weights(config.num_local_experts, 256, 512)
     _check(scratch.permuted, w, scratch)
     _check(scratch.permuted, w, scratch, num_rows=config.live_row_bound(num_tokens))
+    # The decode kernel on the same groups (up to hundreds of rows per expert: several passes).
+    _check(scratch.permuted, w, scratch, tile=gemm.DECODE_TILE)
+    _check(scratch.permuted, w, scratch, num_rows=config.live_row_bound(num_tokens), tile=gemm.DECODE_TILE)
+    _check_gated(scratch.permuted, w, scratch)
 
 
 # K and N off the tiles' multiples: the 128 x 256 tile's 1x2 cluster has an odd count of N tiles
@@ -171,22 +240,45 @@ ODD_TILE_SHAPES = [(512, 768), (264, 264), (256, 8)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [16, 2048], ids=["small-tile", "large-tile"])
-@pytest.mark.parametrize("k,n", ODD_TILE_SHAPES, ids=[f"K{k}-N{n}" for k, n in ODD_TILE_SHAPES])
-def test_gpu_partial_tiles_match_ragged_dot(k, n, num_tokens):
-    config = MoEConfig(num_experts=8, top_k=2, hidden_size=k, max_tokens=num_tokens, dtype=BF16)
-    scratch = _routed(config, num_tokens)
-    assert gemm.pick_tile(config.capacity, 8) == (gemm.LARGE_M_TILE if num_tokens > 16 else gemm.SMALL_M_TILE)
-    _check(scratch.permuted, _weights(8, k, n), scratch)
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_gpu_shared_expert_on_the_decode_kernel(num_tokens):
+    """DeepSeek-V3's shared expert (H 7168, width 2048) at decode sizes: the decode kernel (one group
+    of T rows) against XLA's float32 dots, and taken by shared_experts on a GPU."""
+    from jax_moe import experts
+    rng = np.random.default_rng(num_tokens)
+    x = jnp.asarray(rng.standard_normal((num_tokens, 7168)), BF16)
+    gate_up = _weights(1, 7168, 4096, seed=3)[0]
+    down = _weights(1, 2048, 7168, seed=4)[0]
+    assert experts._shared_on_decode_kernel(x, 2048)
+    got = np.asarray(jax.jit(experts._shared_swiglu_decode)(x, gate_up, down), np.float32)
+    want = np.asarray(jax.jit(experts._shared_swiglu)(x, gate_up, down), np.float32)
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
+    hlo = jax.jit(experts.shared_experts).lower({"shared_gate_up": gate_up, "shared_down": down}, x).compile()
+    assert hlo.as_text().count("jax_moe_decode_matmul") >= 2
+
+
+TILE_CASES = [(16, gemm.SMALL_M_TILE), (2048, gemm.LARGE_M_TILE), (16, gemm.DECODE_TILE), (300, gemm.DECODE_TILE)]
+TILE_IDS = ["small-tile", "large-tile", "decode", "decode-many-rows"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [16, 2048], ids=["small-tile", "large-tile"])
-def test_gpu_repeat_runs_are_bitwise_equal(num_tokens):
+@pytest.mark.parametrize("num_tokens,tile", TILE_CASES, ids=TILE_IDS)
+@pytest.mark.parametrize("k,n", ODD_TILE_SHAPES, ids=[f"K{k}-N{n}" for k, n in ODD_TILE_SHAPES])
+def test_gpu_partial_tiles_match_ragged_dot(k, n, num_tokens, tile):
+    config = MoEConfig(num_experts=8, top_k=2, hidden_size=k, max_tokens=num_tokens, dtype=BF16)
+    scratch = _routed(config, num_tokens)
+    _check(scratch.permuted, _weights(8, k, n), scratch, tile=tile)
+    if tile == gemm.DECODE_TILE and n % 16 == 0:
+        _check_gated(scratch.permuted, _weights(8, k, n), scratch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,tile", TILE_CASES, ids=TILE_IDS)
+def test_gpu_repeat_runs_are_bitwise_equal(num_tokens, tile):
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=512, max_tokens=num_tokens, dtype=BF16)
     scratch = _routed(config, num_tokens)
     w = _weights(8, 512, 1024)
-    run = jax.jit(lambda r, w, s: jax_moe.grouped_matmul(r, w, s), donate_argnums=2)
+    run = jax.jit(lambda r, w, s: jax_moe.grouped_matmul(r, w, s, tile=tile), donate_argnums=2)
     rows = jnp.array(scratch.permuted)
     first, scratch = run(rows, w, scratch)
     second, scratch = run(rows, w, scratch)

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     active = int((scratch.group_sizes > 0).sum())
     print(f"{model.label} T={args.tokens}: [{args.tokens * config.top_k}, {hidden}] x [{config.num_local_experts}, "
           f"{hidden}, {n}], {active} active experts, weights read {active * hidden * n * 2 / 1e6:.0f} MB, "
-          f"tile {'large' if jax_moe.gemm.pick_tile(live, config.num_local_experts) else 'small'}")
+          f"tile {jax_moe.gemm.TILE_NAMES[jax_moe.gemm.pick_tile(live, config.num_local_experts)]}")
 
 
 if __name__ == "__main__":

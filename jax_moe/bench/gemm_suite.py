@@ -31,6 +31,7 @@ LAYER_TOKENS = (1, 1024, 4096)  # the whole-layer comparison
 GRAD_TOKENS = (1024,)
 GRAD_MAX_EXPERTS = 128
 REPEATS = (1, 4)  # N1, N2
+DECODE_CONTENDER_MAX_ROWS_PER_EXPERT = 64  # the decode kernel is also timed up to this many
 # ragged_dot is skipped where it takes seconds per call (issue 8 measured 157 ms for DeepSeek-V3 at
 # 8192 rows): the suite would spend its device time there.
 RAGGED_DOT_MAX_ROWS_X_EXPERTS = 16384 * 256
@@ -108,13 +109,21 @@ def measure_gemm(model: ModelShape, tokens: int, clock, notes) -> list[dict]:
     active = int((sizes > 0).sum())
     flops = 2 * tokens * config.top_k * H * N
     base = {"model": model.name, "T": tokens, "rows": tokens * config.top_k, "K": H, "N": N,
-            "active_experts": active, "weight_bytes": active * H * N * 2, "flops": flops}
-    def ours(w, s):
-        out, s = jax_moe.grouped_matmul(s.permuted, w, s, num_rows=live)
+            "active_experts": active, "weight_bytes": active * H * N * 2, "flops": flops,
+            "tile": gemm.TILE_NAMES[gemm.pick_tile(config.live_row_bound(tokens), config.num_local_experts)]}
+    def ours(w, s, tile=None):
+        out, s = jax_moe.grouped_matmul(s.permuted, w, s, num_rows=live, tile=tile)
         return out, (w, s)
 
+    # The kernel pick_tile passes over, timed too where it is a contender (the decode crossover).
+    picked = gemm.pick_tile(live, config.num_local_experts)
+    rows_per_expert = live / max(1, min(config.num_local_experts, live))
+    other = (gemm.SMALL_M_TILE if picked == gemm.DECODE_TILE
+             else gemm.DECODE_TILE if rows_per_expert <= DECODE_CONTENDER_MAX_ROWS_PER_EXPERT else None)
     impls = {
         "jax_moe": (ours, (weights, scratch)),
+        **({f"jax_moe/{gemm.TILE_NAMES[other]}": (lambda w, s: ours(w, s, other), (weights, scratch))}
+           if other is not None else {}),
         "ragged_dot": (lambda r, w, g: (lax.ragged_dot(r, w, g, preferred_element_type=jnp.float32).astype(r.dtype),
                                         (r, w, g)), (rows, weights, sizes)),
         "dense": (lambda r, w: (jnp.dot(r, w, preferred_element_type=jnp.float32).astype(r.dtype), (r, w)),

@@ -1,0 +1,263 @@
+// The decode grouped GEMM (decode_gemm.h). Grid: x = a tile of output columns, y = a slot: block
+// (x, y) finds the y-th expert that owns rows and streams that expert's [K, tile] weight columns
+// once per pass over (up to rows_per_pass of) its rows. Within a block each lane owns 8
+// consecutive columns (one 16-byte load per k row) and 8 consecutive k rows per step (one 16-byte
+// load of each row's x); lanes and warps split K, and a fixed-order reduction sums their parts.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "decode_gemm.h"
+
+namespace jax_moe {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kStepRows = 8;  // k rows a lane takes per step
+constexpr int kInFlight = 2;  // steps whose loads a lane issues before their arithmetic
+constexpr int kMinBlocks = 64;  // half the SMs: below this, narrower tiles
+
+using Bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ int Clamp(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+// bf16 pairs to float32: the low half of each 32-bit word is the lower-indexed element.
+__device__ __forceinline__ void Unpack(const uint4& v, float (&f)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(words[i] << 16);
+    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
+// Weights are read once per call: keep them out of L1 so the rows (read by every lane) stay.
+__device__ __forceinline__ uint4 LoadStreaming(const Bf16* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+struct Group {
+  int index;  // -1: fewer experts than the slot own rows
+  int start, end;
+};
+
+// The slot-th expert, in expert order, that owns rows (offsets clamped to out_rows), for every
+// thread of the block: each thread counts its share of experts, a block scan ranks them.
+__device__ Group FindGroup(const int32_t* offsets, int num_groups, int out_rows, int slot) {
+  __shared__ int warp_totals[kWarps];
+  __shared__ Group found;
+  if (threadIdx.x == 0) found = Group{-1, 0, 0};
+  const int per_thread = (num_groups + kThreads - 1) / kThreads;
+  const int first = threadIdx.x * per_thread;
+  const int last = min(first + per_thread, num_groups);
+  int count = 0;
+  for (int g = first; g < last; ++g) {
+    const int start = Clamp(offsets[g], 0, out_rows);
+    count += Clamp(offsets[g + 1], start, out_rows) > start;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inclusive = count;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  int rank = inclusive - count;
+  for (int w = 0; w < warp; ++w) rank += warp_totals[w];
+  if (slot >= rank && slot < rank + count) {
+    for (int g = first; g < last; ++g) {
+      const int start = Clamp(offsets[g], 0, out_rows);
+      const int end = Clamp(offsets[g + 1], start, out_rows);
+      if (end == start) continue;
+      if (rank == slot) {
+        found = Group{g, start, end};
+        break;
+      }
+      ++rank;
+    }
+  }
+  __syncthreads();
+  return found;
+}
+
+// acc[m][c] += sum over the step's 8 k rows i of x[m][i] * w[i][c], for the pass's live rows.
+template <int kRowsPerPass>
+__device__ __forceinline__ void Accumulate(float (&acc)[kRowsPerPass][8], const uint4 (&w)[kStepRows],
+                                           const Bf16* x, int64_t k, int rows_now) {
+  float wf[kStepRows][8];
+#pragma unroll
+  for (int i = 0; i < kStepRows; ++i) Unpack(w[i], wf[i]);
+#pragma unroll
+  for (int m = 0; m < kRowsPerPass; ++m) {
+    if (m < rows_now) {
+      float xf[8];
+      Unpack(__ldg(reinterpret_cast<const uint4*>(x + m * k)), xf);
+#pragma unroll
+      for (int i = 0; i < kStepRows; ++i)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[m][c] = __fmaf_rn(xf[i], wf[i][c], acc[m][c]);
+    }
+  }
+}
+
+template <int kVectors, int kRowsPerPass, bool kGated>
+__global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
+  constexpr int kLanesK = 32 / kVectors;            // k-row groups a warp covers at once
+  constexpr int kTileCols = kVectors * 8;           // weight columns a block reads
+  constexpr int kOutCols = kGated ? kTileCols / 2 : kTileCols;  // out columns it writes
+  constexpr int64_t kStep = kWarps * kLanesK * kStepRows;       // k rows the block covers per step
+  __shared__ float partial[kWarps][kRowsPerPass][kTileCols];
+
+  const Bf16* rows = static_cast<const Bf16*>(p.rows);
+  Bf16* out = static_cast<Bf16*>(p.out);
+  const int64_t k = p.k, n = p.n;
+  const int64_t out_width = kGated ? n / 2 : n;
+  const int64_t out_col0 = static_cast<int64_t>(blockIdx.x) * kOutCols;
+  const int out_rows = static_cast<int>(p.out_rows);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane_k = lane / kVectors, vec = lane % kVectors;
+
+  // This lane's 8 weight columns. A gated tile reads its out columns' gate half (the first
+  // kVectors / 2 lanes) and the matching up half (the rest).
+  int64_t col;
+  bool col_ok;
+  if constexpr (kGated) {
+    constexpr int kHalf = kVectors / 2;
+    const int64_t out_col = out_col0 + (vec % kHalf) * 8;
+    col = out_col + (vec < kHalf ? 0 : out_width);
+    col_ok = out_col < out_width;
+  } else {
+    col = out_col0 + vec * 8;
+    col_ok = col < n;
+  }
+
+  // Rows past the live count are in no group: zero them (slot 0's blocks, one column tile each).
+  if (blockIdx.y == 0) {
+    const int live = Clamp(p.expert_offsets[p.num_groups], 0, out_rows);
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(out_rows - live) * kOutCols; i += kThreads) {
+      const int64_t c = out_col0 + i % kOutCols;
+      if (c < out_width) out[(live + i / kOutCols) * out_width + c] = __float2bfloat16_rn(0.0f);
+    }
+  }
+  const Group group = FindGroup(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, blockIdx.y);
+  if (group.index < 0) return;
+  const Bf16* weights = static_cast<const Bf16*>(p.weights) + group.index * k * n + col;
+
+  for (int first_row = group.start; first_row < group.end; first_row += kRowsPerPass) {
+    const int rows_now = min(kRowsPerPass, group.end - first_row);
+    const Bf16* x = rows + static_cast<int64_t>(first_row) * k;
+    float acc[kRowsPerPass][8];
+#pragma unroll
+    for (int m = 0; m < kRowsPerPass; ++m)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[m][c] = 0.0f;
+    // kInFlight steps' loads in flight per lane (128 bytes each) before their arithmetic (4
+    // measured no faster than 2).
+    for (int64_t k0 = static_cast<int64_t>(warp * kLanesK + lane_k) * kStepRows; k0 < k; k0 += kInFlight * kStep) {
+      uint4 w[kInFlight][kStepRows];
+#pragma unroll
+      for (int s = 0; s < kInFlight; ++s) {
+        const bool load = col_ok && k0 + s * kStep < k;
+#pragma unroll
+        for (int i = 0; i < kStepRows; ++i)
+          w[s][i] = load ? LoadStreaming(weights + (k0 + s * kStep + i) * n) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int s = 0; s < kInFlight; ++s)
+        if (k0 + s * kStep < k) Accumulate<kRowsPerPass>(acc, w[s], x + k0 + s * kStep, k, rows_now);
+    }
+    // Sum the lanes that share columns (a fixed butterfly), then the warps in order.
+#pragma unroll
+    for (int m = 0; m < kRowsPerPass; ++m)
+#pragma unroll
+      for (int c = 0; c < 8; ++c)
+#pragma unroll
+        for (int d = kVectors; d < 32; d <<= 1) acc[m][c] = __fadd_rn(acc[m][c], __shfl_xor_sync(0xffffffffu, acc[m][c], d));
+    if (lane_k == 0) {
+#pragma unroll
+      for (int m = 0; m < kRowsPerPass; ++m)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) partial[warp][m][vec * 8 + c] = acc[m][c];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows_now * kOutCols; i += kThreads) {
+      const int m = i / kOutCols, j = i % kOutCols;
+      if (out_col0 + j >= out_width) continue;
+      float result = 0.0f;
+      if constexpr (kGated) {
+        // As the CUTLASS path: the gate/up product rounded to bf16, the activation in float32.
+        float gate = 0.0f, up = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+          gate = __fadd_rn(gate, partial[w][m][j]);
+          up = __fadd_rn(up, partial[w][m][kOutCols + j]);
+        }
+        gate = __bfloat162float(__float2bfloat16_rn(gate));
+        up = __bfloat162float(__float2bfloat16_rn(up));
+        result = __fmul_rn(__fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate))), up);
+      } else {
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) result = __fadd_rn(result, partial[w][m][j]);
+      }
+      out[static_cast<int64_t>(first_row + m) * out_width + out_col0 + j] = __float2bfloat16_rn(result);
+    }
+    __syncthreads();  // before the next pass overwrites `partial`
+  }
+}
+
+template <int kVectors, int kRowsPerPass, bool kGated>
+cudaError_t Launch(const DecodeGemmArgs& args, cudaStream_t stream) {
+  constexpr int kOutCols = kGated ? kVectors * 4 : kVectors * 8;
+  const int64_t out_width = kGated ? args.n / 2 : args.n;
+  const dim3 grid(static_cast<unsigned>((out_width + kOutCols - 1) / kOutCols),
+                  static_cast<unsigned>(std::min(args.num_groups, args.out_rows)));
+  DecodeGemmKernel<kVectors, kRowsPerPass, kGated><<<grid, kThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <int kVectors, bool kGated>
+cudaError_t LaunchRows(const DecodeGemmArgs& args, cudaStream_t stream) {
+  switch (args.rows_per_pass) {
+    case 1:
+      return Launch<kVectors, 1, kGated>(args, stream);
+    case 2:
+      return Launch<kVectors, 2, kGated>(args, stream);
+    case 4:
+      return Launch<kVectors, 4, kGated>(args, stream);
+    case 8:
+      return Launch<kVectors, 8, kGated>(args, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <bool kGated>
+cudaError_t LaunchGated(const DecodeGemmArgs& args, cudaStream_t stream) {
+  // 128-column tiles: each warp reads 256 contiguous bytes per k row, which streams from HBM
+  // better than more blocks of narrower tiles (measured on the H200: 32- and 64-column tiles were
+  // 2-30 % slower per layer, even for Mixtral's down projection at T = 1 with 64 blocks), unless
+  // fewer than kMinBlocks blocks would run; then 64-column tiles.
+  const int64_t out_width = kGated ? args.n / 2 : args.n;
+  const int64_t wide_cols = kGated ? 64 : 128;
+  const int64_t wide_blocks = (out_width + wide_cols - 1) / wide_cols * std::min(args.num_groups, args.out_rows);
+  return wide_blocks >= kMinBlocks ? LaunchRows<16, kGated>(args, stream) : LaunchRows<8, kGated>(args, stream);
+}
+
+}  // namespace
+
+cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream) {
+  if (args.k % 8 != 0 || args.n % (args.gated ? 16 : 8) != 0 || args.num_groups < 1 ||
+      args.num_groups > 65535 || args.out_rows < 0 || args.out_rows > (int64_t{1} << 30))
+    return cudaErrorInvalidValue;
+  if (args.out_rows == 0) return cudaSuccess;
+  return args.gated ? LaunchGated<true>(args, stream) : LaunchGated<false>(args, stream);
+}
+
+}  // namespace jax_moe
