@@ -15,7 +15,7 @@ import pytest
 
 import jax.numpy as jnp
 
-from jax_moe.bench import cli, gemm_suite, permute_suite, report, stack_suite, timing, train_suite
+from jax_moe.bench import cli, decode_suite, gemm_suite, permute_suite, report, stack_suite, timing, train_suite
 from jax_moe.bench.models import MODELS
 
 TINY = MODELS["tiny"]
@@ -170,6 +170,21 @@ def test_train_suite_runs_jax_moe_and_baseline_steps():
     assert any("peer: not run" in n for n in notes)
     text = train_suite.table(rows)
     assert "| tiny | 8 |" in text and f"{by['jax_moe']['us_per_layer']:,.0f}" in text
+
+
+def test_decode_suite_reports_roofline_of_the_bytes_read():
+    rows, notes = decode_suite.run([TINY], (1, 4), timing.Clock(), 1, with_peer=False)
+    assert {(r["T"], r["impl"]) for r in rows} == {(t, v) for t in (1, 4) for v in decode_suite.VARIANTS}
+    expert_bytes = 3 * TINY.hidden_size * TINY.ffn_size * 2
+    for row in rows:
+        assert "error" not in row, row
+        # T tokens own at most T*k experts; at least one when any route is kept.
+        assert 1 <= row["active_experts"] <= min(TINY.num_experts, row["T"] * TINY.top_k)
+        assert row["bytes_per_layer"] > row["active_experts"] * expert_bytes  # plus the router
+        assert row["us_per_layer"] > 0 and _close(row["pct_roofline"], 100 * row["roofline_us"] / row["us_per_layer"])
+    assert any("copy ceiling" in n for n in notes)
+    text = decode_suite.table(rows)
+    assert "roofline" in text and TINY.label in text
 
 
 def test_measure_isolated_keeps_rows_and_notes_a_failure():

@@ -8,7 +8,8 @@ import os
 import pathlib
 
 from jax_moe.bench import models as shapes
-from jax_moe.bench import gemm_suite, parallel_suite, permute_suite, report, stack_suite, timing, train_suite
+from jax_moe.bench import (decode_suite, gemm_suite, parallel_suite, permute_suite, report, stack_suite, timing,
+                           train_suite)
 
 DEFAULT_OUT = "notebooks/results"
 # The DeepSeek-V3 stack holds 90 GB of weights; JAX's default pool (75 % of the card) is too small.
@@ -28,7 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Benchmarks jax_moe per layer (suite permute), per decode step (suite stack) and its "
                     "expert GEMMs (suite gemm), a training step (suite train); "
                     "the method is in the docstring of jax_moe.bench.")
-    parser.add_argument("--suite", choices=("permute", "stack", "parallel", "gemm", "train", "all"), default="all")
+    parser.add_argument("--suite", choices=("permute", "stack", "parallel", "gemm", "train", "decode", "all"),
+                        default="all")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--quick", action="store_true",
                         help="a small subset (permute: two models, three T; stack and gemm: one model, two T), "
@@ -43,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-threads", type=int, default=min(8, os.cpu_count() or 1),
                         help="programs compiled concurrently (default min(8, CPUs))")
     parser.add_argument("--no-peer", action="store_true",
-                        help="train suite: skip the PyTorch + Hugging Face peer (its own process)")
+                        help="train and decode suites: skip the PyTorch + Hugging Face peer (its own process)")
     parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                         help="start no new shape after this many seconds; what ran is still written")
     args = parser.parse_args(argv)
@@ -84,7 +86,7 @@ def main(argv=None) -> dict:
     """Runs the chosen suites, writes ``bench_<suite>.json/.md`` and returns the records."""
     args = parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION)  # before JAX starts
-    if args.suite == "train":  # the PyTorch peer runs in a child process first: JAX must not hold the card
+    if args.suite in ("train", "decode"):  # the PyTorch peer runs in a child process first: JAX must not hold the card
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     clock = timing.Clock()
     env = report.environment()
@@ -145,6 +147,15 @@ def main(argv=None) -> dict:
                               time_limit_s=args.time_limit, with_peer=not args.no_peer),
             train_suite.markdown, {"method": train_suite.METHOD}, out_dir, clock, env)
 
+    if args.suite == "decode":  # not in "all": the PyTorch peer, and four models' stacks (issue 14)
+        models, tokens = _selection(args, decode_suite.MODELS, decode_suite.TOKENS,
+                                    decode_suite.QUICK_MODELS, decode_suite.QUICK_TOKENS)
+        records["decode"] = _run_suite(
+            "decode",
+            functools.partial(decode_suite.run, models, tokens, clock, args.compile_threads,
+                              time_limit_s=args.time_limit, with_peer=not args.no_peer),
+            decode_suite.markdown, {"method": decode_suite.METHOD}, out_dir, clock, env)
+
     print(flush=True)
     if "permute" in records:
         print("permute, µs per layer (ratio = jax_moe / argsort; % of the copy ceiling):")
@@ -163,6 +174,10 @@ def main(argv=None) -> dict:
     if "train" in records:
         print("train, fwd+bwd per layer:")
         print(train_suite.table(records["train"]["rows"]))
+        print()
+    if "decode" in records:
+        print("decode, µs per layer:")
+        print(decode_suite.table(records["decode"]["rows"]))
         print()
     if "parallel" in records:
         print("parallel, µs per layer:")

@@ -5,7 +5,8 @@ L transformers ``Qwen3MoeSparseMoeBlock``s with the model's E, k, H, F and torch
 ``jax_moe.moe_stack`` (``x = x + block(rms_norm(x))``), bf16; one training step is
 ``loss = mean(y.float() ** 2); loss.backward()`` eager, gradients set to None between steps.
 Prints one JSON object: µs per step and per layer (CUDA events over back-to-back steps after
-warm-up) and ``torch.cuda.max_memory_allocated``, or ``{"error": ...}``. Run as a script, not as a
+warm-up) and ``torch.cuda.max_memory_allocated``, or ``{"error": ...}``. With ``--decode``: the
+forward alone at each T, captured in one CUDA graph and replayed (``{"results": [...]}``). Run as a script, not as a
 module of the package: importing jax_moe would start JAX in the peer's process (two allocators on
 one card give false out-of-memory errors).
 
@@ -79,17 +80,62 @@ def measure(shape, tokens: int, layers: int, steps: int, warmup: int) -> dict:
             "transformers": __import__("transformers").__version__}
 
 
+def measure_decode(shape, token_counts, layers: int, steps: int, warmup: int) -> list[dict]:
+    """The forward alone at each T, captured once per T in a CUDA graph and replayed (a serving loop)."""
+    import torch
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        torch.set_default_dtype(torch.bfloat16)
+        blocks = _stack(shape, layers)
+    results = []
+    for tokens in token_counts:
+        try:
+            with torch.no_grad():
+                x = torch.randn(tokens, shape.hidden, dtype=torch.bfloat16, device="cuda")
+                side = torch.cuda.Stream()  # warm-up off the capturing stream, as torch asks
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(warmup):
+                        _forward(blocks, x)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    _forward(blocks, x)
+                for _ in range(warmup):
+                    graph.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                for _ in range(steps):
+                    graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+            step_us = start.elapsed_time(end) * 1e3 / steps
+            results.append({"impl": "torch+hf grouped_mm, CUDA graph", "T": tokens, "layers": layers,
+                            "step_us": step_us, "us_per_layer": step_us / layers})
+        except Exception as e:  # one T failing (capture, memory) must not lose the others
+            results.append({"T": tokens, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python jax_moe/bench/torch_peer.py")
     for name in ("--experts", "--top-k", "--hidden", "--ffn"):
         parser.add_argument(name, type=int, required=True)
-    parser.add_argument("--tokens", type=int, required=True)
+    parser.add_argument("--tokens", type=int, nargs="+", required=True,
+                        help="one T for a training step; several with --decode")
     parser.add_argument("--layers", type=int, required=True)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--decode", action="store_true",
+                        help="time the forward alone in a CUDA graph at each T (a list of results)")
     args = parser.parse_args(argv)
     try:
-        result = measure(args, args.tokens, args.layers, args.steps, args.warmup)
+        if args.decode:
+            result = {"results": measure_decode(args, args.tokens, args.layers, args.steps, args.warmup)}
+        else:
+            result = measure(args, args.tokens[0], args.layers, args.steps, args.warmup)
     except Exception as e:  # reported to the parent: torch or transformers missing, out of memory
         result = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]}
     print(json.dumps(result))

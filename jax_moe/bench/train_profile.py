@@ -4,6 +4,7 @@ Compiles and warms up the jitted value_and_grad step, then traces ``--steps`` st
 profiler (CUPTI) and prints the device time of each kernel name, largest first, with its share:
 
     python -m jax_moe.bench.train_profile --model qwen3_30b --tokens 4096 --layers 1
+    python -m jax_moe.bench.train_profile --forward --model qwen3_30b --tokens 1 --layers 4   (decode)
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import os
 import tempfile
 
 
-def kernel_times(trace_dir: str) -> dict[str, float]:
-    """µs per kernel name from a perfetto trace the profiler wrote under trace_dir."""
+def kernel_times(trace_dir: str) -> tuple[dict[str, float], dict[str, int]]:
+    """µs and launches per kernel name from a perfetto trace the profiler wrote under trace_dir."""
     (path,) = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     with gzip.open(path, "rt") as f:
         events = json.load(f)
@@ -26,11 +27,12 @@ def kernel_times(trace_dir: str) -> dict[str, float]:
     # Device lanes are the processes whose name mentions the GPU ("/device:GPU:0 ...").
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                 and "GPU" in str(e.get("args", {}).get("name", ""))}
-    totals = collections.Counter()
+    totals, counts = collections.Counter(), collections.Counter()
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
             totals[e["name"]] += float(e["dur"])
-    return dict(totals)
+            counts[e["name"]] += 1
+    return dict(totals), dict(counts)
 
 
 def main(argv=None) -> None:
@@ -40,6 +42,8 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--forward", action="store_true",
+                        help="a decode step instead: the stack's forward alone, the model's own routing")
     args = parser.parse_args(argv)
 
     import jax
@@ -50,30 +54,43 @@ def main(argv=None) -> None:
     from jax_moe.bench.stack_suite import init_stack_params
 
     model = MODELS[args.model]
-    config = model.config(args.tokens, real_routing=False)  # as the train suite runs it
-    params = init_stack_params(jax.random.key(0), config, args.layers, model.ffn_size)
+    # Training routes as the train suite runs it (like its peer); a decode step by the model's own.
+    config = model.config(args.tokens, real_routing=args.forward)
+    options = model.param_options() if args.forward else {}
+    params = init_stack_params(jax.random.key(0), config, args.layers, model.ffn_size, **options)
     x = jax.random.normal(jax.random.key(1), (args.tokens, model.hidden_size), ROW_DTYPE)
 
-    def loss(p, x, s):
-        y, s = jax_moe.moe_stack(p, x, s)
-        return jnp.mean(jnp.square(y.astype(jnp.float32))), s
+    if args.forward:
+        step = jax.jit(lambda p, x, s: jax_moe.moe_stack(p, x, s), donate_argnums=2)
+    else:
+        def loss(p, x, s):
+            y, s = jax_moe.moe_stack(p, x, s)
+            return jnp.mean(jnp.square(y.astype(jnp.float32))), s
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), donate_argnums=2)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), donate_argnums=2)
+    def run_step(scratch):
+        """``(outputs, scratch)``: y, or every gradient."""
+        if args.forward:
+            return step(params, x, scratch)
+        (_, scratch), grads = step(params, x, scratch)
+        return grads, scratch
+
     scratch = jax_moe.init_scratch(config)
     for _ in range(2):
-        (_, scratch), grads = step(params, x, scratch)
-    jax.block_until_ready((scratch, grads))
+        out, scratch = run_step(scratch)
+    jax.block_until_ready((scratch, out))
     trace_dir = tempfile.mkdtemp(prefix="jax_moe_trace_")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(args.steps):
-            (_, scratch), grads = step(params, x, scratch)
-        jax.block_until_ready((scratch, grads))
-    totals = kernel_times(trace_dir)
+            out, scratch = run_step(scratch)
+        jax.block_until_ready((scratch, out))
+    totals, counts = kernel_times(trace_dir)
     total = sum(totals.values())
-    print(f"{model.label} T={args.tokens} L={args.layers}: {total / args.steps / args.layers:.0f} us of kernels "
-          f"per layer and step ({args.steps} steps)")
+    per = args.steps * args.layers
+    print(f"{model.label} T={args.tokens} L={args.layers}: {total / per:.1f} us of kernels and "
+          f"{sum(counts.values()) / per:.1f} kernel launches per layer and step ({args.steps} steps)")
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"{us / args.steps / args.layers:9.1f} us {100 * us / total:5.1f}%  {name[:150]}")
+        print(f"{us / per:9.1f} us {100 * us / total:5.1f}% x{counts[name] / per:4.1f}  {name[:150]}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,200 @@
+"""Suite `decode`: the whole scanned MoE stack at decode sizes against its weight-read roofline.
+
+Per model and T (1 to 64 tokens): one jitted step of ``moe_stack`` over L layers (rolled scan,
+scratch donated and threaded step to step, routing by each layer's own router), µs per layer, for
+- ``jax_moe``: the kernels ``gemm.pick_tile`` chooses (the decode kernel at few rows per expert);
+- ``jax_moe/cutlass``: the same step with the decode kernel switched off (CUTLASS grouped GEMMs:
+  the path before it), so the crossover is measured in the same run;
+- the PyTorch + Hugging Face peer: L transformers ``Qwen3MoeSparseMoeBlock``s (torch grouped_mm)
+  in the same residual stack, the forward captured in one CUDA graph, its own process.
+
+Roofline per layer = bytes the layer must read / the copy rate measured in the same run, the bytes
+being those of the experts that own rows (counted on the device from the step's own routing,
+averaged over layers) plus the shared expert and the router. At T <= 64 bytes bound every model
+(the FLOP roofline, 2*T*k*H*3F / dense rate, is reported too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_moe
+from jax_moe import gemm
+from jax_moe.bench import timing
+from jax_moe.bench.models import ROW_DTYPE, ModelShape
+from jax_moe.bench.stack_suite import init_stack_params
+
+MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
+TOKENS = (1, 2, 4, 8, 16, 32, 64)
+QUICK_MODELS = ("qwen3_30b",)
+QUICK_TOKENS = (1, 16)
+# Layers per stack: enough that one layer's experts are not in L2 from the step before, and what
+# fits the card (DeepSeek-V3: 22.5 GB of experts per layer).
+LAYERS = {"mixtral": 8, "qwen3_30b": 16, "deepseek_v3": 4, "qwen35_397b": 8, "tiny": 2}
+PEER_STEPS, PEER_WARMUP, PEER_TIMEOUT_S = 50, 5, 300
+DENSE_TFLOPS = 790.0  # bf16 dense rate of the H200 (DESIGN.md §7b), for the FLOP roofline only
+VARIANTS = ("jax_moe", "jax_moe/cutlass")
+METHOD = ("Per layer = back-to-back step time / L (" + timing.STEP_METHOD + "). Roofline = (bytes of the "
+          "experts owning rows, counted from the step's routing and averaged over layers, + shared expert "
+          "+ router) / copy rate of the same run. Peer: transformers Qwen3MoeSparseMoeBlock stack with torch "
+          f"grouped_mm, forward in one CUDA graph, {PEER_STEPS} replays after {PEER_WARMUP}, its own "
+          "process; it has no shared expert and routes by softmax top-k for every model.")
+
+
+@contextlib.contextmanager
+def decode_kernel(enabled: bool):
+    """Traces inside see ``gemm.pick_tile`` with the decode kernel on (as shipped) or off."""
+    saved = gemm.DECODE_MAX_ROWS_PER_EXPERT
+    gemm.DECODE_MAX_ROWS_PER_EXPERT = saved if enabled else -1.0
+    try:
+        yield
+    finally:
+        gemm.DECODE_MAX_ROWS_PER_EXPERT = saved
+
+
+def run_peer(model: ModelShape, token_counts, layers: int) -> dict[int, dict]:
+    """The PyTorch peer's decode results per T (subprocess), or {T: {"error": ...}}."""
+    script = pathlib.Path(__file__).with_name("torch_peer.py")
+    command = [sys.executable, str(script), "--decode", "--experts", str(model.num_experts), "--top-k",
+               str(model.top_k), "--hidden", str(model.hidden_size), "--ffn", str(model.ffn_size),
+               "--layers", str(layers), "--steps", str(PEER_STEPS), "--warmup", str(PEER_WARMUP),
+               "--tokens", *map(str, token_counts)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PEER_TIMEOUT_S,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        result = json.loads(lines[-1]) if lines else {
+            "error": f"peer exited {done.returncode}: {(done.stderr.strip().splitlines() or ['no output'])[-1]}"}
+    except subprocess.TimeoutExpired:
+        result = {"error": f"peer timed out after {PEER_TIMEOUT_S} s"}
+    if "results" in result:
+        return {r["T"]: r for r in result["results"]}
+    return {t: {"error": result.get("error", "no result")[:400]} for t in token_counts}
+
+
+def layer_bytes(model: ModelShape, params: dict, active_experts: float) -> float:
+    """Bytes one layer must read: the experts owning rows, the shared expert and the router."""
+    expert = 3 * model.hidden_size * model.ffn_size * 2
+    small = sum(leaf[0].nbytes for name, leaf in params.items() if name not in ("gate_up", "down"))
+    return active_experts * expert + small
+
+
+def _active_experts(params, x, config) -> float:
+    """Experts owning rows per layer, averaged over the stack's layers, from its own routing."""
+    run = jax.jit(lambda p, x, s: jax_moe.moe_stack(p, x, s, with_aux=True)[2]["expert_counts"])
+    counts = np.asarray(run(params, x, jax_moe.init_scratch(config)))
+    return float((counts > 0).sum(axis=-1).mean())
+
+
+def _layers(model: ModelShape) -> int:
+    return LAYERS.get(model.name, model.stack_layers or 2)
+
+
+def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict | None) -> list[dict]:
+    """jax_moe's rows (both variants) and, with ``peer`` (run_peer's results), the peer's."""
+    layers = _layers(model)
+    with_peer = peer is not None
+    key = jax.random.PRNGKey(0)
+    params = init_stack_params(key, model.config(max(token_counts)), layers, model.ffn_size,
+                               **model.param_options())
+    rows = []
+    for tokens in token_counts:
+        config = model.config(tokens)
+        x = jax.random.normal(jax.random.fold_in(key, tokens), (tokens, model.hidden_size), ROW_DTYPE)
+        active = _active_experts(params, x, config)
+        bytes_read = layer_bytes(model, params, active)
+        base = {"model": model.name, "label": model.label, "T": tokens, "layers": layers,
+                "active_experts": active, "bytes_per_layer": bytes_read,
+                "roofline_us": bytes_read / (copy_gbs * 1e3) if copy_gbs else None,
+                "flop_roofline_us": 2 * tokens * model.top_k * model.hidden_size * 3 * model.ffn_size
+                / (DENSE_TFLOPS * 1e6),
+                "tile": gemm.TILE_NAMES[gemm.pick_tile(config.live_row_bound(tokens), config.num_local_experts,
+                                                       config.group_row_bound(tokens))]}
+        for variant in VARIANTS:
+            row = {**base, "impl": variant}
+            try:
+                with decode_kernel(variant == "jax_moe"):
+                    step = jax.jit(lambda carry, p, x: jax_moe.moe_stack(p, x, carry[1]), donate_argnums=0)
+                    carry_spec = (x, jax.eval_shape(lambda: jax_moe.init_scratch(config)))
+                    compiled = step.lower(carry_spec, params, x).compile()
+                measured, carry = timing.step_seconds(compiled, (jnp.zeros_like(x), jax_moe.init_scratch(config)),
+                                                      params, x)
+                del carry
+                row["us_per_layer"] = measured["back_to_back_s"] * 1e6 / layers
+                row["step_us_latency"] = measured["latency_s"] * 1e6
+            except Exception as e:
+                row["error"] = timing.describe_error(e)
+            rows.append(row)
+        if with_peer:
+            rows.append({**base, "impl": "peer", **{k: v for k, v in peer.get(tokens, {}).items()
+                                                   if k in ("us_per_layer", "error")}})
+        for row in rows[-len(VARIANTS) - with_peer:]:
+            if row.get("us_per_layer") and row.get("roofline_us"):
+                row["pct_roofline"] = 100 * row["roofline_us"] / row["us_per_layer"]
+        clock.log(f"decode {model.name} T={tokens} (roofline {base['roofline_us'] or 0:.0f} us): " + ", ".join(
+            f"{r['impl']} {r['us_per_layer']:.0f} us" if "us_per_layer" in r else f"{r['impl']} {r.get('error')}"
+            for r in rows if r["T"] == tokens and r["model"] == model.name))
+    del params
+    return rows
+
+
+def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_limit_s=None, on_rows=None,
+        with_peer: bool = True):
+    del compile_threads  # one program at a time: each holds the model's weights
+    from jax_moe.bench.gemm_suite import copy_ceiling_gbs
+    notes = []
+    # Every peer first, before JAX holds any of the card (two allocators on one card fail falsely).
+    peers = {}
+    for model in models if with_peer else ():
+        peers[model.name] = run_peer(model, token_counts, _layers(model))
+        errors = [r["error"] for r in peers[model.name].values() if "error" in r]
+        clock.log(f"decode peer {model.name}: " + (errors[0] if errors else ", ".join(
+            f"T={t} {r['us_per_layer']:.0f} us" for t, r in peers[model.name].items())))
+        if errors:
+            notes.append(f"{model.name}: peer: {errors[0]}")
+    copy = copy_ceiling_gbs(clock)
+    notes.append(f"copy ceiling: {copy:.0f} GB/s" if copy else "copy ceiling: not measured (no roofline)")
+    rows = []
+    for model in models:
+        if clock.out_of_time(time_limit_s, notes, f"decode {model.name}"):
+            break
+        timing.measure_isolated(rows, notes, clock, f"decode {model.name}: failed",
+                                lambda: measure_model(model, token_counts, clock, copy, peers.get(model.name)),
+                                on_rows)
+    return rows, notes
+
+
+def table(rows: list[dict]) -> str:
+    from jax_moe.bench.report import fmt_pct, fmt_us, table as md_table
+    lines = []
+    for model, tokens in dict.fromkeys((r["model"], r["T"]) for r in rows):
+        by = {r["impl"]: r for r in rows if (r["model"], r["T"]) == (model, tokens)}
+        first = next(iter(by.values()))
+        line = [first["label"], str(tokens), f"{first['active_experts']:.1f}", fmt_us(first.get("roofline_us")),
+                first["tile"]]
+        for impl in (*VARIANTS, "peer"):
+            r = by.get(impl, {})
+            line += [fmt_us(r.get("us_per_layer")), fmt_pct(r.get("pct_roofline"))]
+        ours, peer = by.get("jax_moe", {}), by.get("peer", {})
+        line.append(f"{peer['us_per_layer'] / ours['us_per_layer']:.2f}x"
+                    if ours.get("us_per_layer") and peer.get("us_per_layer") else "–")
+        lines.append(line)
+    return md_table(["model", "T", "experts read", "roofline µs", "kernel", "jax_moe µs", "% roofline",
+                     "CUTLASS path µs", "% roofline", "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer"],
+                    lines)
+
+
+def markdown(record: dict) -> str:
+    from jax_moe.bench.report import header_block
+    lines = header_block("Decode: whole stack vs the weight-read roofline (suite decode)", record["meta"],
+                         record.get("elapsed_s", 0.0), record["method"], record["notes"])
+    return "\n".join(lines) + "\n\n" + table(record["rows"]) + "\n"
