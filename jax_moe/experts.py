@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import gemm
+from jax_moe import fp8, gemm
 from jax_moe.gemm import gated_silu
 from jax_moe.routing import dot_f32
 from jax_moe.scratch import MoEScratch
@@ -45,7 +45,8 @@ def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) 
     """The default experts: SwiGLU as two ``jax.lax.ragged_dot`` grouped GEMMs.
 
     Args:
-      layer_params: one layer's params; ``gate_up`` [El, H, 2F] and ``down`` [El, F, H] are used.
+      layer_params: one layer's params; ``gate_up`` [El, H, 2F] and ``down`` [El, F, H] are used
+        (dequantised when FP8: ``jax_moe.fp8``).
       rows: [R, H] rows grouped by local expert (expert e owns ``group_sizes[e]`` consecutive rows).
       group_sizes: [El] int32. Rows past ``sum(group_sizes)`` come out zero (ragged_dot's rule).
 
@@ -53,11 +54,10 @@ def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) 
       [R, H] of rows' dtype: ``down_e(silu(gate_e(row)) * up_e(row))`` for each row's expert e.
       Accumulation and the activation are in float32.
     """
-    hidden = jax.lax.ragged_dot(rows, layer_params["gate_up"].astype(rows.dtype), group_sizes,
-                                preferred_element_type=jnp.float32)
+    gate_up, down = fp8.expert_weights(layer_params, rows.dtype)
+    hidden = jax.lax.ragged_dot(rows, gate_up, group_sizes, preferred_element_type=jnp.float32)
     activated = gated_silu(hidden, rows.dtype)
-    out = jax.lax.ragged_dot(activated, layer_params["down"].astype(rows.dtype), group_sizes,
-                             preferred_element_type=jnp.float32)
+    out = jax.lax.ragged_dot(activated, down, group_sizes, preferred_element_type=jnp.float32)
     return out.astype(rows.dtype)
 
 
@@ -211,14 +211,14 @@ def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, num_tokens: 
     fill are computed. The gate/up product is rounded to the rows' dtype before the activation
     (the ragged_dot path keeps it in float32). Differentiable: its backward runs the input- and
     weight-gradient grouped GEMMs of both projections, recomputing the activation from the saved
-    gate/up product; the weight gradients come out in the weights' dtype.
+    gate/up product; the weight gradients come out in the weights' dtype. FP8 experts
+    (``jax_moe.fp8``) are dequantised to the rows' dtype first (no gradient reaches FP8 weights).
     """
     config = scratch.config
-    dtype = config.dtype
     num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
     tile = gemm.pick_tile(num_rows, config.num_local_experts, group_rows)
-    out, workspace = _swiglu_grouped(scratch.permuted, layer_params["gate_up"].astype(dtype),
-                                     layer_params["down"].astype(dtype), scratch.expert_offsets, scratch.workspace,
+    gate_up, down = fp8.expert_weights(layer_params, config.dtype)
+    out, workspace = _swiglu_grouped(scratch.permuted, gate_up, down, scratch.expert_offsets, scratch.workspace,
                                      num_rows, tile, group_rows)
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
 

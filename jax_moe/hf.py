@@ -13,6 +13,12 @@ arrays, so the checkpoint is never held twice in host memory; bf16 stays bf16. B
 load: per-expert (``experts.{e}.gate_proj/up_proj/down_proj``, Mixtral's ``w1/w3/w2``, as
 published checkpoints and transformers' ``save_pretrained`` write them) and fused
 (``experts.gate_up_proj`` [E, 2F, H], ``experts.down_proj`` [E, H, F]).
+
+FP8 checkpoints (DeepSeek-V3's ``quantization_config``: e4m3 weights, float32 ``weight_scale_inv``
+per 128 x 128 block) load without dequantising the routed experts: the params then carry
+``gate_up``/``down`` as float8_e4m3fn with ``gate_up_scale_inv``/``down_scale_inv``
+(``jax_moe.fp8``); the shared expert is dequantised to the rows' dtype. ``experts_fp8`` chooses:
+keep or dequantise an FP8 checkpoint's experts, or quantise a bf16 checkpoint's.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ import pathlib
 from typing import Any
 
 import jax.numpy as jnp
-import ml_dtypes  # noqa: F401 (registers bfloat16 with NumPy, which safetensors' NumPy API needs)
+import ml_dtypes  # registers bfloat16 with NumPy (safetensors' NumPy API needs it); float8_e4m3fn
 import numpy as np
 
+from jax_moe import fp8
 from jax_moe.config import MoEConfig
 
 SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3")
@@ -48,6 +55,7 @@ class _Layout:
     shared_gate: bool
     router_bias: bool
     expert_names: tuple[str, str, str]  # per-expert gate, up, down tensor names
+    fp8: bool = False          # block-scaled e4m3 Linear weights (quantization_config)
 
 
 def _field(cfg: dict, names, what: str, default: Any = ...) -> Any:
@@ -57,6 +65,18 @@ def _field(cfg: dict, names, what: str, default: Any = ...) -> Any:
     if default is not ...:
         return default
     raise ValueError(f"load_moe: config.json: expected {what} ({' or '.join(names)}), found none")
+
+
+def _fp8_checkpoint(quantization: dict | None) -> bool:
+    """Whether config.json's quantization_config is DeepSeek-V3's FP8 (else ValueError); False if none."""
+    if not quantization:
+        return False
+    method, fmt = quantization.get("quant_method"), quantization.get("fmt", "e4m3")
+    block = list(quantization.get("weight_block_size") or [fp8.BLOCK, fp8.BLOCK])
+    if method != "fp8" or fmt != "e4m3" or block != [fp8.BLOCK, fp8.BLOCK]:
+        raise ValueError(f"load_moe: config.json: quantization_config: expected DeepSeek-V3's FP8 (quant_method "
+                         f"'fp8', fmt 'e4m3', weight_block_size [128, 128]), got {quantization}")
+    return True
 
 
 def _layout(config: dict) -> _Layout:
@@ -71,9 +91,10 @@ def _layout(config: dict) -> _Layout:
             raise ValueError("load_moe: config.json: text_config: expected the language model's config "
                              "(model_type qwen3_5_moe), found none")
         prefix = "model.language_model."
-    if cfg.get("quantization_config") or config.get("quantization_config"):
-        raise ValueError("load_moe: config.json: quantization_config: quantised (e.g. FP8) checkpoints are not "
-                         "supported yet; expected float32/bfloat16/float16 weights")
+    is_fp8 = _fp8_checkpoint(cfg.get("quantization_config") or config.get("quantization_config"))
+    if is_fp8 and model_type != "deepseek_v3":
+        raise ValueError(f"load_moe: config.json: quantization_config: FP8 checkpoints are read for DeepSeek-V3, "
+                         f"got model_type {model_type!r}")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"load_moe: config.json: hidden_act: expected 'silu' (SwiGLU experts), got {act!r}")
@@ -110,7 +131,7 @@ def _layout(config: dict) -> _Layout:
                "n_group": int(cfg.get("n_group", 1) or 1), "topk_group": int(cfg.get("topk_group", 1) or 1),
                "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0))}
     return _Layout(prefix, "mlp", tuple(range(first_moe, num_layers)), num_experts, top_k, hidden, ffn, routing,
-                   shared or None, False, True, per_expert)
+                   shared or None, False, True, per_expert, is_fp8)
 
 
 class _Tensors:
@@ -135,9 +156,24 @@ class _Tensors:
                 with safe_open(file, framework="np") as f:
                     self.files.update({name: file for name in f.keys()})
         self._handles = {}
+        self._headers = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
+
+    def _raw(self, file: pathlib.Path, name: str) -> np.ndarray | None:
+        """An F8_E4M3 tensor read from the file's bytes (safetensors' NumPy API has no float8), else None."""
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (8 + size, json.loads(f.read(size)))
+        start, header = self._headers[file]
+        entry = header.get(name, {})
+        if entry.get("dtype") != "F8_E4M3":
+            return None
+        begin, end = entry["data_offsets"]
+        data = np.fromfile(file, dtype=np.uint8, count=end - begin, offset=start + begin)
+        return data.view(ml_dtypes.float8_e4m3fn).reshape(entry["shape"])
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.files:
@@ -145,7 +181,9 @@ class _Tensors:
         file = self.files[name]
         if file not in self._handles:
             self._handles[file] = self._open(file, framework="np").__enter__()
-        tensor = self._handles[file].get_tensor(name)
+        tensor = self._raw(file, name)
+        if tensor is None:
+            tensor = self._handles[file].get_tensor(name)
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"load_moe: tensor {name!r}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
         return tensor
@@ -173,7 +211,7 @@ def _checkpoint_dtype(config: dict, tensors: _Tensors, probe: str):
     return jnp.dtype(_SAFETENSORS_DTYPES[stored])
 
 
-def load_moe(path, *, max_tokens: int, dtype=None) -> tuple[MoEConfig, dict]:
+def load_moe(path, *, max_tokens: int, dtype=None, experts_fp8: bool | None = None) -> tuple[MoEConfig, dict]:
     """The routing config and the stacked params of a Hugging Face checkpoint's MoE layers.
 
     Args:
@@ -181,6 +219,10 @@ def load_moe(path, *, max_tokens: int, dtype=None) -> tuple[MoEConfig, dict]:
         ``model.safetensors.index.json`` or not) of a supported model (``SUPPORTED``).
       max_tokens: the ``MoEConfig.max_tokens`` to size scratches for.
       dtype: params' and rows' dtype; None keeps the checkpoint's (bf16 stays bf16).
+      experts_fp8: the routed experts as FP8 (``jax_moe.fp8``: float8_e4m3fn ``gate_up``/``down``
+        and their ``*_scale_inv``): None keeps what the checkpoint stores (DeepSeek-V3's FP8
+        checkpoints stay FP8, needing H and F multiples of 128), True also quantises a bf16/f32
+        checkpoint's experts, False dequantises an FP8 checkpoint's.
 
     Returns:
       ``(config, params)``: a ``MoEConfig`` with the model's E, k, H and routing (softmax with or
@@ -188,6 +230,8 @@ def load_moe(path, *, max_tokens: int, dtype=None) -> tuple[MoEConfig, dict]:
       ``{"router": [L, H, E], "gate_up": [L, E, H, 2F], "down": [L, E, F, H]}`` plus, where the
       model has them, ``router_bias`` [L, E] float32 and the shared expert's ``shared_gate_up``
       [L, H, 2Fs], ``shared_down`` [L, Fs, H], ``shared_gate`` [L, H, 1]. L = the MoE layers.
+      FP8 experts add ``gate_up_scale_inv`` [L, E, H/128, 2F/128] and ``down_scale_inv``
+      [L, E, F/128, H/128] (float32).
 
     Raises:
       ValueError: an unsupported architecture, a config field it cannot honour, a missing or
@@ -210,17 +254,55 @@ def load_moe(path, *, max_tokens: int, dtype=None) -> tuple[MoEConfig, dict]:
         out_dtype = jnp.dtype(dtype) if dtype is not None else _checkpoint_dtype(hf_config, tensors, first)
         config = MoEConfig(num_experts=layout.num_experts, top_k=layout.top_k, hidden_size=layout.hidden,
                            max_tokens=max_tokens, dtype=out_dtype, **layout.routing)
-        params = _read_params(tensors, layout, out_dtype)
+        keep_fp8 = layout.fp8 and experts_fp8 is not False
+        if keep_fp8 and (layout.hidden % fp8.BLOCK or layout.ffn % fp8.BLOCK):
+            raise ValueError(f"load_moe: experts_fp8: keeping the FP8 experts needs H and F multiples of {fp8.BLOCK} "
+                             f"(gate and up share one scale grid), got H={layout.hidden}, F={layout.ffn}; pass "
+                             "experts_fp8=False to dequantise them")
+        params = _read_params(tensors, layout, out_dtype, keep_fp8)
     finally:
         tensors.close()
-    return config, {name: jnp.asarray(array) for name, array in params.items()}
+    params = {name: jnp.asarray(array) for name, array in params.items()}
+    if experts_fp8 and not keep_fp8:
+        params = fp8.quantize_params(params)
+    return config, params
 
 
-def _read_params(tensors: _Tensors, layout: _Layout, dtype) -> dict:
+def _dequantize(weight: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """[out, in] e4m3 weight times its [ceil(out/128), ceil(in/128)] block scales, float32."""
+    out_f, in_f = weight.shape
+    full = np.repeat(np.repeat(scale_inv, fp8.BLOCK, axis=0), fp8.BLOCK, axis=1)[:out_f, :in_f]
+    return weight.astype(np.float32) * full
+
+
+def _blocks(size: int) -> int:
+    return -(-size // fp8.BLOCK)
+
+
+def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = False) -> dict:
     L, E, H, F = len(layout.moe_layers), layout.num_experts, layout.hidden, layout.ffn
     np_dtype = np.dtype(dtype)
-    params = {"router": np.empty((L, H, E), np_dtype), "gate_up": np.empty((L, E, H, 2 * F), np_dtype),
-              "down": np.empty((L, E, F, H), np_dtype)}
+    expert_dtype = np.dtype(ml_dtypes.float8_e4m3fn) if keep_fp8 else np_dtype
+    params = {"router": np.empty((L, H, E), np_dtype), "gate_up": np.empty((L, E, H, 2 * F), expert_dtype),
+              "down": np.empty((L, E, F, H), expert_dtype)}
+    if keep_fp8:
+        params["gate_up" + fp8.SCALE_SUFFIX] = np.empty((L, E, _blocks(H), _blocks(2 * F)), np.float32)
+        params["down" + fp8.SCALE_SUFFIX] = np.empty((L, E, _blocks(F), _blocks(H)), np.float32)
+
+    def linear(name: str, out_f: int, in_f: int) -> np.ndarray:
+        """A Linear weight [out, in], dequantised when the checkpoint stores it as FP8."""
+        weight = tensors.get(name + ".weight", (out_f, in_f))
+        if weight.dtype == ml_dtypes.float8_e4m3fn:
+            weight = _dequantize(weight, tensors.get(name + ".weight_scale_inv", (_blocks(out_f), _blocks(in_f))))
+        return weight
+
+    def fp8_linear(name: str, out_f: int, in_f: int) -> tuple[np.ndarray, np.ndarray]:
+        """An FP8 Linear weight [out, in] and its scales, as stored."""
+        weight = tensors.get(name + ".weight", (out_f, in_f))
+        if weight.dtype != ml_dtypes.float8_e4m3fn:
+            raise ValueError(f"load_moe: tensor {name + '.weight'!r}: expected F8_E4M3 (quantization_config "
+                             f"says FP8), got {weight.dtype}; pass experts_fp8=False")
+        return weight, tensors.get(name + ".weight_scale_inv", (_blocks(out_f), _blocks(in_f)))
     if layout.router_bias:
         params["router_bias"] = np.empty((L, E), np.float32)
     if layout.shared_ffn:
@@ -235,21 +317,32 @@ def _read_params(tensors: _Tensors, layout: _Layout, dtype) -> dict:
         params["router"][i] = tensors.get(block + "gate.weight", (E, H)).T
         if layout.router_bias:
             params["router_bias"][i] = tensors.get(block + "gate.e_score_correction_bias", (E,))
-        if block + "experts.gate_up_proj" in tensors:  # fused: [E, 2F, H] (gate rows first), [E, H, F]
+        if keep_fp8:  # transposed to [in, out], gate and up side by side, and so their scale grids
+            for e in range(E):
+                expert = f"{block}experts.{e}."
+                for column, name in ((0, gate_name), (1, up_name)):
+                    weight, scale = fp8_linear(expert + name, F, H)
+                    params["gate_up"][i, e, :, column * F:(column + 1) * F] = weight.T
+                    blocks = _blocks(F)
+                    params["gate_up" + fp8.SCALE_SUFFIX][i, e, :, column * blocks:(column + 1) * blocks] = scale.T
+                weight, scale = fp8_linear(expert + down_name, H, F)
+                params["down"][i, e] = weight.T
+                params["down" + fp8.SCALE_SUFFIX][i, e] = scale.T
+        elif block + "experts.gate_up_proj" in tensors:  # fused: [E, 2F, H] (gate rows first), [E, H, F]
             params["gate_up"][i] = tensors.get(block + "experts.gate_up_proj", (E, 2 * F, H)).transpose(0, 2, 1)
             params["down"][i] = tensors.get(block + "experts.down_proj", (E, H, F)).transpose(0, 2, 1)
         else:
             for e in range(E):
                 expert = f"{block}experts.{e}."
-                params["gate_up"][i, e, :, :F] = tensors.get(f"{expert}{gate_name}.weight", (F, H)).T
-                params["gate_up"][i, e, :, F:] = tensors.get(f"{expert}{up_name}.weight", (F, H)).T
-                params["down"][i, e] = tensors.get(f"{expert}{down_name}.weight", (H, F)).T
+                params["gate_up"][i, e, :, :F] = linear(expert + gate_name, F, H).T
+                params["gate_up"][i, e, :, F:] = linear(expert + up_name, F, H).T
+                params["down"][i, e] = linear(expert + down_name, H, F).T
         if layout.shared_ffn:
             shared = block + ("shared_experts." if layout.router_bias else "shared_expert.")
             Fs = layout.shared_ffn
-            params["shared_gate_up"][i, :, :Fs] = tensors.get(shared + "gate_proj.weight", (Fs, H)).T
-            params["shared_gate_up"][i, :, Fs:] = tensors.get(shared + "up_proj.weight", (Fs, H)).T
-            params["shared_down"][i] = tensors.get(shared + "down_proj.weight", (H, Fs)).T
+            params["shared_gate_up"][i, :, :Fs] = linear(shared + "gate_proj", Fs, H).T
+            params["shared_gate_up"][i, :, Fs:] = linear(shared + "up_proj", Fs, H).T
+            params["shared_down"][i] = linear(shared + "down_proj", H, Fs).T
         if layout.shared_gate:
             params["shared_gate"][i] = tensors.get(block + "shared_expert_gate.weight", (1, H)).T
     return params

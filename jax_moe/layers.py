@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import _validate, routing, stack
+from jax_moe import _validate, fp8, routing, stack
 from jax_moe.config import MoEConfig
 from jax_moe.experts import (SHARED_NAMES, ExpertFn, run_experts, shared_experts,  # noqa: F401
                              swiglu_experts, uses_grouped_matmul)
@@ -23,8 +23,9 @@ from jax_moe.scratch import MoEScratch
 from jax_moe.stack import rms_norm  # public here too, as before the stack module held it
 
 PARAM_NAMES = ("router", "gate_up", "down")
-# Optional leaves: the correction bias of DeepSeek-V3's routing, and shared experts.
-OPTIONAL_PARAM_NAMES = ("router_bias",) + SHARED_NAMES
+FP8_SCALE_NAMES = tuple(name + fp8.SCALE_SUFFIX for name in fp8.QUANTIZED_NAMES)
+# Optional leaves: the correction bias of DeepSeek-V3's routing, shared experts, FP8 experts' scales.
+OPTIONAL_PARAM_NAMES = ("router_bias",) + SHARED_NAMES + FP8_SCALE_NAMES
 
 
 def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size: int, dtype=None, *,
@@ -114,11 +115,31 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
             raise ValueError(
                 f"{op}: params[{name!r}]: expected shape {shape} ({layout}... with H={hidden}, E={experts}, "
                 f"El={local}, gate_up last axes 2F and 2Fs even), got {have}")
+    _check_fp8_params(op, layer_params, lead, layout)
     if ("shared_gate_up" in layer_params) != ("shared_down" in layer_params) or (
             "shared_gate" in layer_params and "shared_gate_up" not in layer_params):
         present = sorted(n for n in SHARED_NAMES if n in layer_params)
         raise ValueError(f"{op}: params: expected shared_gate_up and shared_down together (shared_gate only with "
                          f"them), got {present}")
+
+
+def _check_fp8_params(op: str, layer_params, lead: tuple, layout: str) -> None:
+    """FP8 experts (``jax_moe.fp8``): both scales or none; e4m3 weights and [.., El, K/128, N/128] scales."""
+    present = [name for name in FP8_SCALE_NAMES if name in layer_params]
+    if not present:
+        return
+    if len(present) != len(FP8_SCALE_NAMES):
+        raise ValueError(f"{op}: params: expected {FP8_SCALE_NAMES} together (FP8 experts), got {present}")
+    for name in fp8.QUANTIZED_NAMES:
+        weights, scales = layer_params[name], layer_params[name + fp8.SCALE_SUFFIX]
+        if jnp.dtype(weights.dtype) != jnp.dtype(fp8.FP8):
+            raise ValueError(f"{op}: params[{name!r}]: expected float8_e4m3fn next to {name + fp8.SCALE_SUFFIX!r}, "
+                             f"got {weights.dtype}")
+        k, n = jnp.shape(weights)[-2:]
+        want = lead + (jnp.shape(weights)[len(lead)], -(-k // fp8.BLOCK), -(-n // fp8.BLOCK))
+        if tuple(jnp.shape(scales)) != want or jnp.dtype(scales.dtype) != jnp.float32:
+            raise ValueError(f"{op}: params[{name + fp8.SCALE_SUFFIX!r}]: expected float32 {want} ({layout}El, "
+                             f"ceil(K/128), ceil(N/128)]), got {scales.dtype}{list(jnp.shape(scales))}")
 
 
 def _flat_tokens(op: str, x, config: MoEConfig) -> jax.Array:
@@ -225,7 +246,7 @@ def moe_stack(params: dict, x: jax.Array, scratch: MoEScratch, *, unroll: int | 
     check_layer_params("moe_stack", params, scratch.config, stacked=True)
     _validate.check_scratch("moe_stack", scratch)
     tokens = _flat_tokens("moe_stack", x, scratch.config)
-    if expert_fn is None and uses_grouped_matmul(params, scratch.config):
+    if expert_fn is None and uses_grouped_matmul(params, scratch.config) and not fp8.is_quantized(params):
         tokens, scratch, aux = stack.grouped_stack(params, tokens, scratch, unroll=unroll, with_aux=with_aux)
     else:
         (tokens, scratch), aux = _scan_layers(params, tokens, scratch, unroll, expert_fn, with_aux)

@@ -114,9 +114,12 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
         folder = _copy(tmp_path, "qwen3_moe")
         _edit_config(folder, model_type="llama")
         hf.load_moe(folder, max_tokens=4)
-    with pytest.raises(ValueError, match="quantization_config"):
+    with pytest.raises(ValueError, match="quantization_config: expected DeepSeek-V3's FP8"):
         folder = _copy(tmp_path / "q", "deepseek_v3")
-        _edit_config(folder, quantization_config={"quant_method": "fp8"})
+        _edit_config(folder, quantization_config={"quant_method": "gptq", "bits": 4})
+        hf.load_moe(folder, max_tokens=4)
+    with pytest.raises(ValueError, match="experts_fp8: keeping the FP8 experts needs H and F multiples of 128"):
+        _edit_config(folder, quantization_config={"quant_method": "fp8"})  # the fixture's H = 32
         hf.load_moe(folder, max_tokens=4)
     with pytest.raises(ValueError, match=r"scoring_func: expected one of \('sigmoid',\).*'softmax'"):
         folder = _copy(tmp_path / "s", "deepseek_v3")
@@ -134,3 +137,95 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
         hf.load_moe(folder, max_tokens=4)
     with pytest.raises(ValueError, match="expected a checkpoint folder with config.json"):
         hf.load_moe(tmp_path / "nowhere", max_tokens=4)
+
+
+# ---- FP8 checkpoints (DeepSeek-V3's format) -----------------------------------------------------
+
+_SAFETENSORS_CODES = {"float32": "F32", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3"}
+
+
+def _write_safetensors(path, tensors):
+    """A safetensors file written by hand: safetensors' NumPy API cannot write float8."""
+    header, blobs, offset = {}, [], 0
+    for name, array in tensors.items():
+        data = np.ascontiguousarray(array).tobytes()
+        header[name] = {"dtype": _SAFETENSORS_CODES[str(array.dtype)], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def _fp8_deepseek_checkpoint(folder, num_experts=4, hidden=256, ffn=128):
+    """A one-layer DeepSeek-V3 FP8 checkpoint (every Linear e4m3 with 128 x 128 block scales)."""
+    from jax_moe import fp8
+    import ml_dtypes
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    config = {"model_type": "deepseek_v3", "num_hidden_layers": 1, "first_k_dense_replace": 0,
+              "n_routed_experts": num_experts, "num_experts_per_tok": 2, "hidden_size": hidden,
+              "moe_intermediate_size": ffn, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+              "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
+              "topk_method": "noaux_tc", "hidden_act": "silu", "torch_dtype": "bfloat16",
+              "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                      "weight_block_size": [128, 128]}}
+    (folder / "config.json").write_text(json.dumps(config))
+    block = "model.layers.0.mlp."
+    tensors = {block + "gate.weight": rng.standard_normal((num_experts, hidden)).astype(ml_dtypes.bfloat16),
+               block + "gate.e_score_correction_bias": rng.standard_normal(num_experts).astype(np.float32)}
+
+    def linear(name, out_f, in_f):
+        q, scale_inv = fp8.quantize(jnp.asarray(rng.standard_normal((out_f, in_f)) / np.sqrt(in_f)))
+        tensors[name + ".weight"] = np.asarray(q)
+        tensors[name + ".weight_scale_inv"] = np.asarray(scale_inv)
+
+    for e in range(num_experts):
+        for name, shape in (("gate_proj", (ffn, hidden)), ("up_proj", (ffn, hidden)), ("down_proj", (hidden, ffn))):
+            linear(f"{block}experts.{e}.{name}", *shape)
+    for name, shape in (("gate_proj", (ffn, hidden)), ("up_proj", (ffn, hidden)), ("down_proj", (hidden, ffn))):
+        linear(f"{block}shared_experts.{name}", *shape)
+    _write_safetensors(folder / "model.safetensors", tensors)
+    return tensors
+
+
+def test_fp8_checkpoint_loads_without_dequantising(tmp_path):
+    from jax_moe import fp8
+    tensors = _fp8_deepseek_checkpoint(tmp_path / "fp8")
+    config, params = hf.load_moe(tmp_path / "fp8", max_tokens=4)
+    assert config.dtype == jnp.bfloat16 and config.scoring == "sigmoid"
+    assert params["gate_up"].dtype == jnp.float8_e4m3fn and params["down"].dtype == jnp.float8_e4m3fn
+    assert params["gate_up_scale_inv"].shape == (1, 4, 2, 2) and params["down_scale_inv"].shape == (1, 4, 1, 2)
+    expert = "model.layers.0.mlp.experts.2."
+    # Transposed to [in, out], gate then up, each with its own scale grid.
+    np.testing.assert_array_equal(np.asarray(params["gate_up"][0, 2, :, 128:], np.float32),
+                                  tensors[expert + "up_proj.weight"].T.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(params["gate_up_scale_inv"][0, 2, :, 1]),
+                                  tensors[expert + "up_proj.weight_scale_inv"][0])
+    np.testing.assert_array_equal(np.asarray(params["down_scale_inv"][0, 2]),
+                                  tensors[expert + "down_proj.weight_scale_inv"].T)
+    # The same checkpoint dequantised on load gives the same layer, bit for bit (both dequantise
+    # the same products to bf16), and the shared expert is dequantised either way.
+    _, dense = hf.load_moe(tmp_path / "fp8", max_tokens=4, experts_fp8=False)
+    assert dense["gate_up"].dtype == jnp.bfloat16 and "gate_up_scale_inv" not in dense
+    np.testing.assert_array_equal(np.asarray(dense["shared_gate_up"], np.float32),
+                                  np.asarray(params["shared_gate_up"], np.float32))
+    np.testing.assert_array_equal(np.asarray(dense["gate_up"], np.float32),
+                                  np.asarray(fp8.dequantize(params["gate_up"], params["gate_up_scale_inv"],
+                                                            jnp.bfloat16), np.float32))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 256)), jnp.bfloat16)
+    got, _ = moe_stack(params, x, init_scratch(config))
+    want, _ = moe_stack(dense, x, init_scratch(config))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_bf16_checkpoint_quantised_on_request():
+    from jax_moe import fp8
+    config, params = hf.load_moe(FIXTURES / "qwen3_moe", max_tokens=4)
+    _, quantised = hf.load_moe(FIXTURES / "qwen3_moe", max_tokens=4, experts_fp8=True)
+    want = fp8.quantize_params(params)
+    assert set(quantised) == set(want)
+    for name in want:
+        np.testing.assert_array_equal(np.asarray(quantised[name], np.float32), np.asarray(want[name], np.float32))
