@@ -24,6 +24,8 @@ from jax_moe.stack import rms_norm  # public here too, as before the stack modul
 
 PARAM_NAMES = ("router", "gate_up", "down")
 FP8_SCALE_NAMES = tuple(name + fp8.SCALE_SUFFIX for name in fp8.QUANTIZED_NAMES)
+# The leaves with a (local) expert axis: sharded over devices by expert parallelism.
+EXPERT_PARAM_NAMES = ("gate_up", "down") + FP8_SCALE_NAMES
 # Optional leaves: the correction bias of DeepSeek-V3's routing, shared experts, FP8 experts' scales.
 OPTIONAL_PARAM_NAMES = ("router_bias",) + SHARED_NAMES + FP8_SCALE_NAMES
 

@@ -66,7 +66,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_moe._validate import _fail
 from jax_moe.config import MoEConfig
 from jax_moe.experts import ExpertFn, run_experts, shared_experts
-from jax_moe.layers import check_layer_params, rms_norm
+from jax_moe.layers import EXPERT_PARAM_NAMES, check_layer_params, rms_norm
 from jax_moe.routing import route
 from jax_moe.ops import permute, unpermute, unpermute_by_dest
 from jax_moe.scratch import BUFFER_NAMES, MoEScratch, buffer_shapes, init_scratch
@@ -300,7 +300,7 @@ def shard_params(params: dict, mesh, axis_name: str, *, placement: Sequence[int]
     expert_axis = 1 if stacked else 0
     out = {}
     for name, leaf in params.items():
-        if name in ("gate_up", "down"):
+        if name in EXPERT_PARAM_NAMES:
             if placement is not None:
                 order = np.argsort(placement_array(placement, num_experts))  # slot -> global expert
                 leaf = jnp.take(leaf, jnp.asarray(order), axis=expert_axis)
@@ -443,7 +443,7 @@ def _check_call(op: str, params, x, scratch, mesh, axis_name, stacked: bool) -> 
 def _specs(axis_name: str, stacked: bool, param_names):
     """Experts sharded over the axis; everything else (router, its bias, shared expert) replicated."""
     lead = (None,) if stacked else ()
-    params = {name: P(*lead, axis_name) if name in ("gate_up", "down") else P() for name in param_names}
+    params = {name: P(*lead, axis_name) if name in EXPERT_PARAM_NAMES else P() for name in param_names}
     return params, P(axis_name)
 
 
@@ -510,9 +510,9 @@ def moe_layer_ep(layer_params: dict, x: jax.Array, scratch: ExpertParallelScratc
       scratch: the ``ExpertParallelScratch`` from ``init_scratch_ep`` (donate it; don't reuse it).
       mesh, axis_name: the mesh and its expert axis (the scratch must be built for them). Other
         mesh axes, if any, replicate the computation.
-      expert_fn: as in ``moe_layer``, applied per device to its El local experts: it gets
-        ``{"router", "gate_up" [El, H, 2F], "down" [El, F, H]}`` (only these three params are passed
-        into the ``shard_map``). None: SwiGLU, as ``moe_layer`` runs it (``experts.run_experts``).
+      expert_fn: as in ``moe_layer``, applied per device to its El local experts: it gets the
+        layer's params with the expert leaves local (``gate_up`` [El, H, 2F], ``down`` [El, F, H],
+        FP8 scales [El, ...]). None: SwiGLU, as ``moe_layer`` runs it (``experts.run_experts``).
 
     Returns:
       ``(y, scratch, dropped)``: y [T, H] x's dtype, sharded over the axis like x; the scratch to

@@ -151,6 +151,23 @@ def test_one_device_mesh_equals_moe_stack(explicit):
     assert isinstance(scratch, ep.ExpertParallelScratch) and scratch.local.permuted.shape[0] == 1
 
 
+def test_fp8_params_shard_with_their_scales():
+    """FP8 experts' scales travel with their experts (placement and sharding), so EP equals moe_stack."""
+    from jax_moe import fp8
+    config = MoEConfig(num_experts=E, top_k=K, hidden_size=H, max_tokens=T, dtype=jnp.float32)
+    params = fp8.quantize_params(init_moe_params(jax.random.key(0), config, L, F))
+    x = jax.random.normal(jax.random.key(1), (T, H), jnp.float32)
+    expected, _ = jax.jit(moe_stack)(params, x, init_scratch(config))
+    mesh = _one_device_mesh(False)
+    placement = (3, 1, 0, 2, 7, 6, 5, 4)
+    sharded = ep.shard_params(params, mesh, "ep", placement=placement)
+    np.testing.assert_array_equal(np.asarray(sharded["gate_up_scale_inv"][:, 0]),
+                                  np.asarray(params["gate_up_scale_inv"][:, 2]))  # slot 0 holds expert 2
+    y, _, _ = jax.jit(lambda p, h, s: ep.moe_stack_ep(p, h, s, mesh=mesh, axis_name="ep"))(
+        sharded, x, ep.init_scratch_ep(config, mesh, "ep", placement=placement))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
 def test_one_device_ragged_exchange_equals_moe_stack_with_gradients():
     """The dropless ragged exchange (lax.ragged_all_to_all on a GPU, where this runs the op itself;
     the whole-block all_to_all on CPU) gives moe_stack's output and gradients."""
