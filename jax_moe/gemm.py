@@ -176,8 +176,8 @@ def gated_forward(rows, gate_up, offsets, workspace, num_rows: int, tile: int, g
         return gated_silu(_ragged_dot(r[:num_rows], w, o).astype(r.dtype), r.dtype)
 
     out_shape = (num_rows, gate_up.shape[2] // 2)
-    activated = _on_cuda(lambda r, w, o: _decode_call(r, w, o, out_shape, gated=True, group_rows=group_rows), fallback,
-                         rows, gate_up, offsets)
+    activated = _on_cuda(lambda r, w, o: _decode_call(r, w, o, out_shape, gated=True, group_rows=group_rows),
+                         fallback, rows, gate_up, offsets)
     return activated, workspace
 
 
@@ -281,10 +281,11 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, scratch: MoEScratch, *,
       accumulation) for row i of expert g, zero for rows in no group, as
       ``jax.lax.ragged_dot(rows, weights, group_sizes)``; and the scratch to pass on.
 
-    On a GPU this is the CUDA custom call (CUTLASS sm90 ptr-array grouped GEMM, TMA and
-    warp-specialised; the decode kernel at a few rows per expert); elsewhere, or without the CUDA module, ``jax.lax.ragged_dot``. Its gradient
-    runs the input- and weight-gradient grouped GEMMs (``input_grad``, ``weight_grad``): native on
-    GPU, bf16 operands with float32 accumulation, no float32 copy of the weights.
+    On a GPU this is a CUDA custom call (CUTLASS sm90 ptr-array grouped GEMM, TMA and
+    warp-specialised; at a few rows per expert the decode kernel); elsewhere, or without the CUDA
+    module, ``jax.lax.ragged_dot``. Its gradient runs the input- and weight-gradient grouped GEMMs
+    (``input_grad``, ``weight_grad``): native on GPU, bf16 operands with float32 accumulation, no
+    float32 copy of the weights.
     """
     num_rows = check_grouped_matmul_args(rows, weights, scratch, num_rows)
     if tile is None:
