@@ -138,23 +138,16 @@ def main(argv=None) -> dict:
                               time_limit_s=args.time_limit),
             gemm_suite.markdown, {"method": gemm_suite.METHOD}, out_dir, clock, env)
 
-    if args.suite == "train":  # not in "all": minutes per model, and the PyTorch peer (issue 13)
-        models, tokens = _selection(args, train_suite.MODELS, train_suite.TOKENS,
-                                    train_suite.QUICK_MODELS, train_suite.QUICK_TOKENS)
-        records["train"] = _run_suite(
-            "train",
-            functools.partial(train_suite.run, models, tokens, clock, args.compile_threads,
+    # Not in "all": minutes per model, and the PyTorch peer in its own process (issues 13 and 14).
+    peer_suites = {"train": train_suite, "decode": decode_suite}
+    if args.suite in peer_suites:
+        suite = peer_suites[args.suite]
+        models, tokens = _selection(args, suite.MODELS, suite.TOKENS, suite.QUICK_MODELS, suite.QUICK_TOKENS)
+        records[args.suite] = _run_suite(
+            args.suite,
+            functools.partial(suite.run, models, tokens, clock, args.compile_threads,
                               time_limit_s=args.time_limit, with_peer=not args.no_peer),
-            train_suite.markdown, {"method": train_suite.METHOD}, out_dir, clock, env)
-
-    if args.suite == "decode":  # not in "all": the PyTorch peer, and four models' stacks (issue 14)
-        models, tokens = _selection(args, decode_suite.MODELS, decode_suite.TOKENS,
-                                    decode_suite.QUICK_MODELS, decode_suite.QUICK_TOKENS)
-        records["decode"] = _run_suite(
-            "decode",
-            functools.partial(decode_suite.run, models, tokens, clock, args.compile_threads,
-                              time_limit_s=args.time_limit, with_peer=not args.no_peer),
-            decode_suite.markdown, {"method": decode_suite.METHOD}, out_dir, clock, env)
+            suite.markdown, {"method": suite.METHOD}, out_dir, clock, env)
 
     print(flush=True)
     if "permute" in records:

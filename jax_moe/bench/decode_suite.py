@@ -17,11 +17,6 @@ averaged over layers) plus the shared expert and the router. At T <= 64 bytes bo
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +24,7 @@ import numpy as np
 
 import jax_moe
 from jax_moe import gemm
-from jax_moe.bench import timing
+from jax_moe.bench import timing, torch_peer
 from jax_moe.bench.models import ROW_DTYPE, ModelShape
 from jax_moe.bench.stack_suite import init_stack_params
 
@@ -63,19 +58,8 @@ def decode_kernel(enabled: bool):
 
 def run_peer(model: ModelShape, token_counts, layers: int) -> dict[int, dict]:
     """The PyTorch peer's decode results per T (subprocess), or {T: {"error": ...}}."""
-    script = pathlib.Path(__file__).with_name("torch_peer.py")
-    command = [sys.executable, str(script), "--decode", "--experts", str(model.num_experts), "--top-k",
-               str(model.top_k), "--hidden", str(model.hidden_size), "--ffn", str(model.ffn_size),
-               "--layers", str(layers), "--steps", str(PEER_STEPS), "--warmup", str(PEER_WARMUP),
-               "--tokens", *map(str, token_counts)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PEER_TIMEOUT_S,
-                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        result = json.loads(lines[-1]) if lines else {
-            "error": f"peer exited {done.returncode}: {(done.stderr.strip().splitlines() or ['no output'])[-1]}"}
-    except subprocess.TimeoutExpired:
-        result = {"error": f"peer timed out after {PEER_TIMEOUT_S} s"}
+    result = torch_peer.run_in_process(model, layers, token_counts, PEER_STEPS, PEER_WARMUP, PEER_TIMEOUT_S,
+                                       decode=True)
     if "results" in result:
         return {r["T"]: r for r in result["results"]}
     return {t: {"error": result.get("error", "no result")[:400]} for t in token_counts}

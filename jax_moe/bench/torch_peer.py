@@ -17,7 +17,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pathlib
+import subprocess
 import sys
+
+
+def run_in_process(shape, layers: int, tokens, steps: int, warmup: int, timeout_s: float,
+                   decode: bool = False) -> dict:
+    """This script in a child process (JAX kept off the card there), for the suites' processes.
+
+    shape: anything with num_experts, top_k, hidden_size, ffn_size (a bench ModelShape).
+    Returns the script's JSON object, or ``{"error": ...}`` when it timed out or printed none.
+    """
+    command = [sys.executable, str(pathlib.Path(__file__)), "--experts", str(shape.num_experts), "--top-k",
+               str(shape.top_k), "--hidden", str(shape.hidden_size), "--ffn", str(shape.ffn_size),
+               "--layers", str(layers), "--steps", str(steps), "--warmup", str(warmup),
+               "--tokens", *map(str, tokens)] + (["--decode"] if decode else [])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    except subprocess.TimeoutExpired:
+        return {"error": f"peer timed out after {timeout_s} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"peer exited {done.returncode}: {tail}"[:400]}
+    return json.loads(lines[-1])
 
 
 def _stack(shape, num_layers: int):

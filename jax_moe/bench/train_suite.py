@@ -12,11 +12,6 @@ temporaries - aliased; ``torch.cuda.max_memory_allocated``).
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 import time
 
 import jax
@@ -25,7 +20,7 @@ from jax import lax
 
 import jax_moe
 from jax_moe import baseline
-from jax_moe.bench import timing
+from jax_moe.bench import timing, torch_peer
 from jax_moe.bench.models import ROW_DTYPE, ModelShape
 from jax_moe.demo import memory_stats
 
@@ -67,20 +62,7 @@ def weight_bytes_per_layer(model: ModelShape, tokens: int) -> float:
 
 def run_peer(model: ModelShape, tokens: int, layers: int) -> dict:
     """The PyTorch peer in a subprocess: its JSON result, or {"error": ...}."""
-    script = pathlib.Path(__file__).with_name("torch_peer.py")
-    command = [sys.executable, str(script), "--experts", str(model.num_experts), "--top-k", str(model.top_k),
-               "--hidden", str(model.hidden_size), "--ffn", str(model.ffn_size), "--tokens", str(tokens),
-               "--layers", str(layers), "--steps", str(STEPS), "--warmup", str(WARMUP_STEPS)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PEER_TIMEOUT_S,
-                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    except subprocess.TimeoutExpired:
-        return {"error": f"peer timed out after {PEER_TIMEOUT_S} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"peer exited {done.returncode}: {tail}"[:400]}
-    return json.loads(lines[-1])
+    return torch_peer.run_in_process(model, layers, (tokens,), STEPS, WARMUP_STEPS, PEER_TIMEOUT_S)
 
 
 def _peak_bytes(compiled) -> int | None:
