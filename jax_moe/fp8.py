@@ -25,7 +25,8 @@ SCALE_SUFFIX = "_scale_inv"
 QUANTIZED_NAMES = ("gate_up", "down")
 
 
-def _blocks(size: int) -> int:
+def num_blocks(size: int) -> int:
+    """Scale blocks along an axis of this size: ceil(size / 128)."""
     return -(-size // BLOCK)
 
 
@@ -45,8 +46,9 @@ def quantize(weights: jax.Array) -> tuple[jax.Array, jax.Array]:
     """
     k, n = weights.shape[-2:]
     w = weights.astype(jnp.float32)
-    padded = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, _blocks(k) * BLOCK - k), (0, _blocks(n) * BLOCK - n)])
-    blocks = padded.reshape(*w.shape[:-2], _blocks(k), BLOCK, _blocks(n), BLOCK)
+    pad = [(0, 0)] * (w.ndim - 2) + [(0, num_blocks(k) * BLOCK - k), (0, num_blocks(n) * BLOCK - n)]
+    padded = jnp.pad(w, pad)
+    blocks = padded.reshape(*w.shape[:-2], num_blocks(k), BLOCK, num_blocks(n), BLOCK)
     amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
     scale_inv = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
     q = jnp.clip(w / _expand(scale_inv, k, n), -FP8_MAX, FP8_MAX).astype(FP8)

@@ -269,14 +269,13 @@ def load_moe(path, *, max_tokens: int, dtype=None, experts_fp8: bool | None = No
 
 
 def _dequantize(weight: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
-    """[out, in] e4m3 weight times its [ceil(out/128), ceil(in/128)] block scales, float32."""
+    """[out, in] e4m3 weight times its [ceil(out/128), ceil(in/128)] block scales, float32.
+
+    fp8.dequantize's math in NumPy: the loader stays on the host, one tensor at a time."""
     out_f, in_f = weight.shape
     full = np.repeat(np.repeat(scale_inv, fp8.BLOCK, axis=0), fp8.BLOCK, axis=1)[:out_f, :in_f]
     return weight.astype(np.float32) * full
 
-
-def _blocks(size: int) -> int:
-    return -(-size // fp8.BLOCK)
 
 
 def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = False) -> dict:
@@ -286,14 +285,18 @@ def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = Fal
     params = {"router": np.empty((L, H, E), np_dtype), "gate_up": np.empty((L, E, H, 2 * F), expert_dtype),
               "down": np.empty((L, E, F, H), expert_dtype)}
     if keep_fp8:
-        params["gate_up" + fp8.SCALE_SUFFIX] = np.empty((L, E, _blocks(H), _blocks(2 * F)), np.float32)
-        params["down" + fp8.SCALE_SUFFIX] = np.empty((L, E, _blocks(F), _blocks(H)), np.float32)
+        blocks_h, blocks_f = fp8.num_blocks(H), fp8.num_blocks(F)
+        params["gate_up" + fp8.SCALE_SUFFIX] = np.empty((L, E, blocks_h, fp8.num_blocks(2 * F)), np.float32)
+        params["down" + fp8.SCALE_SUFFIX] = np.empty((L, E, blocks_f, blocks_h), np.float32)
+
+    def scales(name: str, out_f: int, in_f: int) -> np.ndarray:
+        return tensors.get(name + ".weight_scale_inv", (fp8.num_blocks(out_f), fp8.num_blocks(in_f)))
 
     def linear(name: str, out_f: int, in_f: int) -> np.ndarray:
         """A Linear weight [out, in], dequantised when the checkpoint stores it as FP8."""
         weight = tensors.get(name + ".weight", (out_f, in_f))
         if weight.dtype == ml_dtypes.float8_e4m3fn:
-            weight = _dequantize(weight, tensors.get(name + ".weight_scale_inv", (_blocks(out_f), _blocks(in_f))))
+            weight = _dequantize(weight, scales(name, out_f, in_f))
         return weight
 
     def fp8_linear(name: str, out_f: int, in_f: int) -> tuple[np.ndarray, np.ndarray]:
@@ -302,7 +305,7 @@ def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = Fal
         if weight.dtype != ml_dtypes.float8_e4m3fn:
             raise ValueError(f"load_moe: tensor {name + '.weight'!r}: expected F8_E4M3 (quantization_config "
                              f"says FP8), got {weight.dtype}; pass experts_fp8=False")
-        return weight, tensors.get(name + ".weight_scale_inv", (_blocks(out_f), _blocks(in_f)))
+        return weight, scales(name, out_f, in_f)
     if layout.router_bias:
         params["router_bias"] = np.empty((L, E), np.float32)
     if layout.shared_ffn:
@@ -323,8 +326,7 @@ def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = Fal
                 for column, name in ((0, gate_name), (1, up_name)):
                     weight, scale = fp8_linear(expert + name, F, H)
                     params["gate_up"][i, e, :, column * F:(column + 1) * F] = weight.T
-                    blocks = _blocks(F)
-                    params["gate_up" + fp8.SCALE_SUFFIX][i, e, :, column * blocks:(column + 1) * blocks] = scale.T
+                    params["gate_up" + fp8.SCALE_SUFFIX][i, e, :, column * blocks_f:(column + 1) * blocks_f] = scale.T
                 weight, scale = fp8_linear(expert + down_name, H, F)
                 params["down"][i, e] = weight.T
                 params["down" + fp8.SCALE_SUFFIX][i, e] = scale.T

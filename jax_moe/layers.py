@@ -138,7 +138,7 @@ def _check_fp8_params(op: str, layer_params, lead: tuple, layout: str) -> None:
             raise ValueError(f"{op}: params[{name!r}]: expected float8_e4m3fn next to {name + fp8.SCALE_SUFFIX!r}, "
                              f"got {weights.dtype}")
         k, n = jnp.shape(weights)[-2:]
-        want = lead + (jnp.shape(weights)[len(lead)], -(-k // fp8.BLOCK), -(-n // fp8.BLOCK))
+        want = lead + (jnp.shape(weights)[len(lead)], fp8.num_blocks(k), fp8.num_blocks(n))
         if tuple(jnp.shape(scales)) != want or jnp.dtype(scales.dtype) != jnp.float32:
             raise ValueError(f"{op}: params[{name + fp8.SCALE_SUFFIX!r}]: expected float32 {want} ({layout}El, "
                              f"ceil(K/128), ceil(N/128)]), got {scales.dtype}{list(jnp.shape(scales))}")
