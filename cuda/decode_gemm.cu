@@ -4,9 +4,12 @@
 // consecutive columns (one 16-byte load per k row) and 8 consecutive k rows per step (one 16-byte
 // load of each row's x); lanes and warps split K, and a fixed-order reduction sums their parts.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "decode_gemm.h"
 
@@ -16,10 +19,14 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kStepRows = 8;  // k rows a lane takes per step
-constexpr int kInFlight = 2;  // steps whose loads a lane issues before their arithmetic
+// Steps whose loads a lane issues before their arithmetic: 256 bytes per lane either way (bf16: 2
+// steps of 8 x 16 bytes; FP8: 4 steps of 8 x 8 bytes).
+template <bool kFp8>
+constexpr int kInFlight = kFp8 ? 4 : 2;
 constexpr int kMinBlocks = 64;  // half the SMs: below this, narrower tiles
 
 using Bf16 = __nv_bfloat16;
+constexpr int kScaleBlock = 128;  // FP8 weights: one scale per 128 x 128 block
 
 __device__ __forceinline__ int Clamp(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
@@ -33,7 +40,24 @@ __device__ __forceinline__ void Unpack(const uint4& v, float (&f)[8]) {
   }
 }
 
+// Eight e4m3 values to float32: exact (every e4m3 value is an fp16 value), through the hardware's
+// e4m3x2 -> f16x2 conversion (integer-only conversions measured 20-50 % slower on the H200).
+__device__ __forceinline__ void Unpack(const uint2& v, float (&f)[8]) {
+  const uint32_t words[2] = {v.x, v.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>((words[i] >> (16 * j)) & 0xffffu), __NV_E4M3);
+      const float2 both = __half22float2(*reinterpret_cast<const __half2*>(&pair));
+      f[4 * i + 2 * j] = both.x;
+      f[4 * i + 2 * j + 1] = both.y;
+    }
+}
+
 // Weights are read once per call: keep them out of L1 so the rows (read by every lane) stay.
+// 8 weights per lane: 16 bytes of bf16, 8 bytes of FP8.
 __device__ __forceinline__ uint4 LoadStreaming(const Bf16* p) {
   uint4 v;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -41,6 +65,18 @@ __device__ __forceinline__ uint4 LoadStreaming(const Bf16* p) {
       : "l"(p));
   return v;
 }
+
+__device__ __forceinline__ uint2 LoadStreaming(const __nv_fp8_storage_t* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+template <bool kFp8>
+struct Weights {
+  using Element = std::conditional_t<kFp8, __nv_fp8_storage_t, Bf16>;
+  using Vector = std::conditional_t<kFp8, uint2, uint4>;  // one lane's 8 weights of a k row
+};
 
 struct Group {
   int index;  // -1: fewer experts than the slot own rows
@@ -88,13 +124,20 @@ __device__ Group FindGroup(const int32_t* offsets, int num_groups, int out_rows,
   return found;
 }
 
-// acc[m][c] += sum over the step's 8 k rows i of x[m][i] * w[i][c], for the pass's live rows.
-template <int kRowsPerPass>
-__device__ __forceinline__ void Accumulate(float (&acc)[kRowsPerPass][8], const uint4 (&w)[kStepRows],
-                                           const Bf16* x, int64_t k, int rows_now) {
+// acc[m][c] += sum over the step's 8 k rows i of x[m][i] * (w[i][c] * scale), for the pass's
+// live rows (scale: the FP8 block's scale_inv; 1 for bf16, where it is not applied).
+template <int kRowsPerPass, bool kFp8, typename Vector>
+__device__ __forceinline__ void Accumulate(float (&acc)[kRowsPerPass][8], const Vector (&w)[kStepRows],
+                                           float scale, const Bf16* x, int64_t k, int rows_now) {
   float wf[kStepRows][8];
 #pragma unroll
-  for (int i = 0; i < kStepRows; ++i) Unpack(w[i], wf[i]);
+  for (int i = 0; i < kStepRows; ++i) {
+    Unpack(w[i], wf[i]);
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) wf[i][c] = __fmul_rn(wf[i][c], scale);
+    }
+  }
 #pragma unroll
   for (int m = 0; m < kRowsPerPass; ++m) {
     if (m < rows_now) {
@@ -108,8 +151,10 @@ __device__ __forceinline__ void Accumulate(float (&acc)[kRowsPerPass][8], const 
   }
 }
 
-template <int kVectors, int kRowsPerPass, bool kGated>
+template <int kVectors, int kRowsPerPass, bool kGated, bool kFp8>
 __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
+  using Element = typename Weights<kFp8>::Element;
+  using Vector = typename Weights<kFp8>::Vector;
   constexpr int kLanesK = 32 / kVectors;            // k-row groups a warp covers at once
   constexpr int kTileCols = kVectors * 8;           // weight columns a block reads
   constexpr int kOutCols = kGated ? kTileCols / 2 : kTileCols;  // out columns it writes
@@ -149,7 +194,10 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   }
   const Group group = FindGroup(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, blockIdx.y);
   if (group.index < 0) return;
-  const Bf16* weights = static_cast<const Bf16*>(p.weights) + group.index * k * n + col;
+  const Element* weights = static_cast<const Element*>(p.weights) + group.index * k * n + col;
+  // FP8: this lane's column of scale blocks; the block row follows k.
+  const float* scales =
+      kFp8 ? p.scale_inv + group.index * (k / kScaleBlock) * (n / kScaleBlock) + col / kScaleBlock : nullptr;
 
   for (int first_row = group.start; first_row < group.end; first_row += kRowsPerPass) {
     const int rows_now = min(kRowsPerPass, group.end - first_row);
@@ -159,20 +207,23 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
     for (int m = 0; m < kRowsPerPass; ++m)
 #pragma unroll
       for (int c = 0; c < 8; ++c) acc[m][c] = 0.0f;
-    // kInFlight steps' loads in flight per lane (128 bytes each) before their arithmetic (4
-    // measured no faster than 2).
-    for (int64_t k0 = static_cast<int64_t>(warp * kLanesK + lane_k) * kStepRows; k0 < k; k0 += kInFlight * kStep) {
-      uint4 w[kInFlight][kStepRows];
+    // kInFlight steps' loads in flight per lane before their arithmetic (bf16: 4 steps measured no
+    // faster than 2; neither did refilling each step's registers as soon as it is consumed).
+    for (int64_t k0 = static_cast<int64_t>(warp * kLanesK + lane_k) * kStepRows; k0 < k; k0 += kInFlight<kFp8> * kStep) {
+      Vector w[kInFlight<kFp8>][kStepRows];
+      float scale[kInFlight<kFp8>];
 #pragma unroll
-      for (int s = 0; s < kInFlight; ++s) {
+      for (int s = 0; s < kInFlight<kFp8>; ++s) {
         const bool load = col_ok && k0 + s * kStep < k;
 #pragma unroll
-        for (int i = 0; i < kStepRows; ++i)
-          w[s][i] = load ? LoadStreaming(weights + (k0 + s * kStep + i) * n) : make_uint4(0, 0, 0, 0);
+        for (int i = 0; i < kStepRows; ++i) w[s][i] = load ? LoadStreaming(weights + (k0 + s * kStep + i) * n) : Vector{};
+        // The step's 8 k rows lie in one 128-row scale block (k0 is a multiple of 8).
+        scale[s] = kFp8 && load ? __ldg(scales + (k0 + s * kStep) / kScaleBlock * (n / kScaleBlock)) : 1.0f;
       }
 #pragma unroll
-      for (int s = 0; s < kInFlight; ++s)
-        if (k0 + s * kStep < k) Accumulate<kRowsPerPass>(acc, w[s], x + k0 + s * kStep, k, rows_now);
+      for (int s = 0; s < kInFlight<kFp8>; ++s)
+        if (k0 + s * kStep < k)
+          Accumulate<kRowsPerPass, kFp8>(acc, w[s], scale[s], x + k0 + s * kStep, k, rows_now);
     }
     // Sum the lanes that share columns (a fixed butterfly), then the warps in order.
 #pragma unroll
@@ -215,11 +266,15 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
 
 template <int kVectors, int kRowsPerPass, bool kGated>
 cudaError_t Launch(const DecodeGemmArgs& args, cudaStream_t stream) {
+  const bool fp8 = args.scale_inv != nullptr;
   constexpr int kOutCols = kGated ? kVectors * 4 : kVectors * 8;
   const int64_t out_width = kGated ? args.n / 2 : args.n;
   const dim3 grid(static_cast<unsigned>((out_width + kOutCols - 1) / kOutCols),
                   static_cast<unsigned>(std::min(args.num_groups, args.out_rows)));
-  DecodeGemmKernel<kVectors, kRowsPerPass, kGated><<<grid, kThreads, 0, stream>>>(args);
+  if (fp8)
+    DecodeGemmKernel<kVectors, kRowsPerPass, kGated, true><<<grid, kThreads, 0, stream>>>(args);
+  else
+    DecodeGemmKernel<kVectors, kRowsPerPass, kGated, false><<<grid, kThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }
 
@@ -253,7 +308,10 @@ cudaError_t LaunchGated(const DecodeGemmArgs& args, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream) {
-  if (args.k % 8 != 0 || args.n % (args.gated ? 16 : 8) != 0 || args.num_groups < 1 ||
+  // FP8: whole scale blocks, and a gated tile's gate and up halves in different blocks.
+  const bool fp8_ok = args.scale_inv == nullptr ||
+                      (args.k % kScaleBlock == 0 && args.n % (args.gated ? 2 * kScaleBlock : kScaleBlock) == 0);
+  if (!fp8_ok || args.k % 8 != 0 || args.n % (args.gated ? 16 : 8) != 0 || args.num_groups < 1 ||
       args.num_groups > 65535 || args.out_rows < 0 || args.out_rows > (int64_t{1} << 30))
     return cudaErrorInvalidValue;
   if (args.out_rows == 0) return cudaSuccess;

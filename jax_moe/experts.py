@@ -223,6 +223,53 @@ def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, num_tokens: 
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _fp8_decode_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, group_rows):
+    """The FP8 decode kernel for both projections: [num_rows, H]. Differentiable in rows only."""
+    activated = gemm.fp8_forward(rows, gate_up, gate_up_scale, offsets, num_rows, group_rows, gated=True)
+    return gemm.fp8_forward(activated, down, down_scale, offsets, num_rows, group_rows)
+
+
+def _fp8_decode_experts_fwd(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, group_rows):
+    out = _fp8_decode_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, group_rows)
+    return out, (rows, gate_up, gate_up_scale, down, down_scale, offsets)
+
+
+def _fp8_decode_experts_bwd(num_rows, group_rows, residuals, d_out):
+    # The rows' gradient through the dequantised weights on the bf16 grouped GEMMs (the weight
+    # gradients it also forms are dead code); FP8 weights and scales are inference-only.
+    rows, gate_up, gate_up_scale, down, down_scale, offsets = residuals
+    gate_up, down = fp8.dequantize(gate_up, gate_up_scale, rows.dtype), fp8.dequantize(down, down_scale, rows.dtype)
+    workspace = gemm.backward_workspace(gate_up.shape[0])
+    hidden, _ = gemm.forward(rows, gate_up, offsets, workspace, num_rows, gemm.SMALL_M_TILE)
+    d_rows, _, _ = swiglu_grouped_grad(rows[:num_rows], hidden, offsets, gate_up, down, d_out, num_rows,
+                                       gemm.SMALL_M_TILE)
+    d_rows = jnp.pad(d_rows, ((0, rows.shape[0] - num_rows), (0, 0)))
+    return d_rows, None, None, None, None, None
+
+
+_fp8_decode_experts.defvjp(_fp8_decode_experts_fwd, _fp8_decode_experts_bwd)
+
+
+def swiglu_experts_fp8(layer_params: dict, scratch: MoEScratch, num_tokens: int):
+    """``swiglu_experts_grouped`` for FP8 experts (``jax_moe.fp8``): at decode sizes the decode
+    kernel streams the FP8 weights and dequantises them in registers; otherwise the layer's experts
+    are dequantised to the rows' dtype and run on the bf16 grouped GEMMs. Differentiable in the
+    rows (not in the FP8 weights). Returns ``([live_row_bound(T), H], scratch)``."""
+    config = scratch.config
+    num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
+    ffn_size = layer_params["down"].shape[-2]
+    use_decode, group_rows = gemm.fp8_decode_plan(num_rows, config.num_local_experts, group_rows)
+    if use_decode and gemm.supports_fp8_decode(config.hidden_size, ffn_size):
+        scales = tuple(lax.stop_gradient(layer_params[name + fp8.SCALE_SUFFIX]) for name in fp8.QUANTIZED_NAMES)
+        out = _fp8_decode_experts(scratch.permuted, lax.stop_gradient(layer_params["gate_up"]), scales[0],
+                                  lax.stop_gradient(layer_params["down"]), scales[1], scratch.expert_offsets,
+                                  num_rows, group_rows)
+        return out, scratch
+    gate_up, down = fp8.expert_weights(layer_params, config.dtype)
+    return swiglu_experts_grouped({"gate_up": gate_up, "down": down}, scratch, num_tokens)
+
+
 def uses_grouped_matmul(layer_params: dict, config) -> bool:
     """Whether ``moe_layer``'s default experts run on the CUDA grouped GEMM (GPU, bf16, aligned sizes)."""
     ffn_size = layer_params["down"].shape[-2]
@@ -254,6 +301,8 @@ def run_experts(expert_fn: ExpertFn | None, layer_params: dict, scratch: MoEScra
     the expert-parallel one (on its received rows) come through here.
     """
     if expert_fn is None and uses_grouped_matmul(layer_params, scratch.config):
+        if fp8.is_quantized(layer_params):
+            return swiglu_experts_fp8(layer_params, scratch, num_tokens)
         return swiglu_experts_grouped(layer_params, scratch, num_tokens)
     expert_fn = swiglu_experts if expert_fn is None else expert_fn
     return experts_on_scratch(expert_fn, layer_params, scratch, num_tokens), scratch

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_moe import _native
+from jax_moe import _native, fp8
 from jax_moe._validate import check_grouped_matmul_args
 from jax_moe.ops import fence_results
 from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, MoEScratch
@@ -42,6 +42,10 @@ LARGE_M_MIN_ROWS_PER_EXPERT = 128
 DECODE_MAX_ROWS_PER_EXPERT = 2.0
 DECODE_MAX_GROUP_ROWS = 2
 DECODE_MAX_ROWS_PER_PASS = 8
+# FP8 experts run on the decode kernel (which reads their bytes) while owning experts expect at most
+# this many rows; above it, each layer's experts are dequantised for the bf16 grouped GEMMs, which
+# writes and reads every expert of the layer (measured: notebooks/results/bench_decode_fp8.md).
+FP8_DECODE_MAX_ROWS_PER_EXPERT = 8.0
 # The products of cuda/grouped_gemm.h (GemmOp).
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
 
@@ -118,12 +122,14 @@ def _call(op, a, b, offsets, workspace, out_shape, tile, group_rows=None):
     return out, fence_results(workspace)
 
 
-def _decode_call(rows, weights, offsets, out_shape, gated: bool, group_rows=None):
-    """The decode kernel: out_shape's rows of ``rows @ weights[g]``, or of SwiGLU's activation."""
-    call = jax.ffi.ffi_call(_native.DECODE_MATMUL_TARGET, jax.ShapeDtypeStruct(out_shape, rows.dtype),
-                            vmap_method="sequential")
+def _decode_call(rows, weights, offsets, out_shape, gated: bool, group_rows=None, scale_inv=None):
+    """The decode kernel: out_shape's rows of ``rows @ weights[g]``, or of SwiGLU's activation;
+    FP8 weights with their block scales when scale_inv is given."""
+    target = _native.DECODE_MATMUL_TARGET if scale_inv is None else _native.DECODE_MATMUL_FP8_TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, rows.dtype), vmap_method="sequential")
     rows_per_pass = decode_rows_per_pass(out_shape[0], weights.shape[0], group_rows)
-    return fence_results(call(rows, weights, offsets, gated=gated, rows_per_pass=np.int64(rows_per_pass)))
+    operands = (rows, weights, offsets) if scale_inv is None else (rows, weights, scale_inv, offsets)
+    return fence_results(call(*operands, gated=gated, rows_per_pass=np.int64(rows_per_pass)))
 
 
 def gated_silu(hidden: jax.Array, dtype) -> jax.Array:
@@ -179,6 +185,46 @@ def gated_forward(rows, gate_up, offsets, workspace, num_rows: int, tile: int, g
     activated = _on_cuda(lambda r, w, o: _decode_call(r, w, o, out_shape, gated=True, group_rows=group_rows),
                          fallback, rows, gate_up, offsets)
     return activated, workspace
+
+
+def supports_fp8_decode(hidden_size: int, ffn_size: int) -> bool:
+    """Whether the decode kernel can read FP8 experts of these sizes (whole 128 x 128 scale blocks)."""
+    return _native.HAS_CUDA and hidden_size % fp8.BLOCK == 0 and ffn_size % fp8.BLOCK == 0
+
+
+def fp8_decode_plan(num_rows: int, num_groups: int, group_rows: int | None) -> tuple[bool, int | None]:
+    """``(use the decode kernel, group_rows for its rows per pass)`` for FP8 experts.
+
+    Taken while owning experts expect at most FP8_DECODE_MAX_ROWS_PER_EXPERT rows, whatever one
+    expert may own: an expert with more rows than a pass takes is read again (from L2 at these
+    sizes), still far cheaper than dequantising every expert. Rows per pass follow group_rows only
+    up to DECODE_MAX_GROUP_ROWS, else the expected rows (passes sized for rare crowded experts
+    slowed every block: DeepSeek-V3 at T = 8, 8 rows per pass, 1.2x the bf16 layer's time).
+    """
+    use = expected_rows_per_expert(num_rows, num_groups) <= FP8_DECODE_MAX_ROWS_PER_EXPERT
+    few = group_rows is not None and group_rows <= DECODE_MAX_GROUP_ROWS
+    return use, group_rows if few else None
+
+
+def fp8_forward(rows, weights, scale_inv, offsets, num_rows: int, group_rows: int | None = None,
+                gated: bool = False):
+    """The decode kernel on FP8 experts (``jax_moe.fp8``): ``[num_rows, N]`` = each group's rows @
+    dequantised weights[g] [K, N] (``gated``: ``[num_rows, N / 2]``, ``gated_silu`` of it, the
+    product rounded to rows' dtype first). Elsewhere: the same math on dequantised weights
+    (``ragged_dot``). No autodiff rule. K and N multiples of 128 on a GPU (``supports_fp8_decode``).
+    """
+    width = weights.shape[2] // 2 if gated else weights.shape[2]
+
+    def fallback(r, w, s, o):
+        out = _ragged_dot(r[:num_rows], fp8.dequantize(w, s, r.dtype), o).astype(r.dtype)
+        return gated_silu(out, r.dtype) if gated else out
+
+    def native(r, w, s, o):
+        return _decode_call(r, w, o, (num_rows, width), gated=gated, group_rows=group_rows, scale_inv=s)
+
+    if not _native.HAS_CUDA:
+        return fallback(rows, weights, scale_inv, offsets)
+    return lax.platform_dependent(rows, weights, scale_inv, offsets, cuda=native, default=fallback)
 
 
 def input_grad(d_out, weights, offsets, workspace, num_rows: int, tile: int):

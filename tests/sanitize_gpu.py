@@ -1,7 +1,7 @@
 """A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths,
 padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward; the grouped
 GEMM forward and its input- and weight-gradient kernels (also written into a stacked gradient); the
-decode kernel; with
+decode kernel on bf16 and FP8 weights; with
 --stack, the training stack's gradients. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
@@ -81,6 +81,16 @@ for num_tokens, ffn in ((1, 96), (40, 1024)):
     print("decode T", num_tokens, "live rows", live, "finite", bool(np.isfinite(np.asarray(out, np.float32)).all()),
           "gated finite", bool(np.isfinite(np.asarray(gated, np.float32)).all()),
           "rows past live zero", not np.asarray(out[live:], np.float32).any())
+    # The same groups on FP8 weights (scales per 128 x 128 block; K, N multiples of 128).
+    q, scale_inv = jax.jit(jax_moe.fp8.quantize)(rng.standard_normal((16, 256, 256)) / 16)
+    rows = scratch.permuted[:, :256]
+    fp8_out = jax.jit(lambda r, q, s, o: jax_moe.gemm.fp8_forward(r, q, s, o, config.capacity))(
+        rows, q, scale_inv, scratch.expert_offsets)
+    fp8_gated = jax.jit(lambda r, q, s, o: jax_moe.gemm.fp8_forward(r, q, s, o, config.capacity, gated=True))(
+        rows, q, scale_inv, scratch.expert_offsets)
+    print("decode fp8 T", num_tokens, "finite", bool(np.isfinite(np.asarray(fp8_out, np.float32)).all()),
+          "gated finite", bool(np.isfinite(np.asarray(fp8_gated, np.float32)).all()),
+          "rows past live zero", not np.asarray(fp8_out[live:], np.float32).any())
 
 # The training stack on the grouped GEMMs (jax_moe.stack), with --stack: compute-sanitizer's
 # racecheck itself crashed (segmentation fault) while XLA compiled this step on the H200, after

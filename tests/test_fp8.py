@@ -1,7 +1,9 @@
-"""FP8 experts (jax_moe.fp8): block quantisation and the layer on FP8 params.
+"""FP8 experts (jax_moe.fp8): block quantisation, the layer on FP8 params, the decode kernel on GPU.
 
-The FP8 layer's math is "dequantise the weights to the rows' dtype, multiply with the rows", so an
-FP8 stack equals the stack of the dequantised params exactly.
+The FP8 layer's math is "dequantise the weights to the rows' dtype, multiply with the rows": on CPU
+(and on GPU above decode sizes) it is that literally, so an FP8 stack equals the stack of the
+dequantised params exactly; the GPU decode kernel, which dequantises in registers and accumulates
+in float32, is held to it within bf16 rounding.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import numpy as np
 import pytest
 
 import jax_moe
-from jax_moe import MoEConfig, fp8, init_scratch
+from jax_moe import MoEConfig, fp8, gemm, init_scratch, permute
+from jax_moe.bench.models import MODELS
+from cases import GROUPED_GEMM_EDGE_CASES, grouped_gemm_edge_case
 
 BF16 = jnp.bfloat16
 
@@ -90,12 +94,140 @@ def test_fp8_layer_differentiates_in_x_only():
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_stack_matches_the_dequantized_stack():
-    """On a GPU the FP8 layer dequantises, then runs the bf16 grouped GEMMs: the same numbers."""
-    config = MoEConfig(num_experts=16, top_k=4, hidden_size=256, max_tokens=8, dtype=BF16)
+@pytest.mark.parametrize("num_tokens", [8, 512])
+def test_gpu_fp8_stack_matches_the_dequantized_stack(num_tokens):
+    """At 2 rows per expert the decode kernel reads the FP8 experts (float32 dequantised weights:
+    within bf16 rounding of the dequantised stack); at 64 per expert each layer dequantises its
+    experts for the bf16 grouped GEMMs: the same numbers exactly."""
+    config = MoEConfig(num_experts=16, top_k=4, hidden_size=256, max_tokens=num_tokens, dtype=BF16)
     params = fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(0), config, 2, 128, shared_ffn_size=128))
-    x = jax.random.normal(jax.random.key(1), (8, 256)).astype(BF16)
+    x = jax.random.normal(jax.random.key(1), (num_tokens, 256)).astype(BF16)
     run = jax.jit(jax_moe.moe_stack)
+    decode = num_tokens == 8
+    assert decode == gemm.fp8_decode_plan(config.live_row_bound(num_tokens), 16, None)[0]
+    assert decode == ("jax_moe_decode_matmul_fp8" in run.lower(params, x, init_scratch(config)).compile().as_text())
     got, _ = run(params, x, init_scratch(config))
     want, _ = run(_dequantized(params), x, init_scratch(config))
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if decode:
+        np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_fp8_decode_plan_reads_fp8_bytes_until_experts_expect_8_rows():
+    # DeepSeek-V3 (256 experts, top-8): the decode kernel through T = 128 (about 4 rows per owning
+    # expert), dequantise-and-GEMM from T = 256 (8.0 rows); rows per pass from T only while T <= 2.
+    assert gemm.fp8_decode_plan(8, 256, 1) == (True, 1)
+    assert gemm.fp8_decode_plan(16 * 8, 256, 16) == (True, None)
+    assert gemm.fp8_decode_plan(128 * 8, 256, 128)[0]
+    assert not gemm.fp8_decode_plan(256 * 8, 256, 256)[0]
+
+
+def test_fp8_forward_fallback_is_the_dequantized_product():
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=128, max_tokens=6, dtype=BF16)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((6, 128)), BF16)
+    scratch = permute(x, jnp.asarray(rng.integers(0, 4, (6, 2)), jnp.int32), init_scratch(config))
+    q, scale_inv = fp8.quantize(jax.random.normal(jax.random.key(3), (4, 128, 256)) / 11)
+    offsets, rows = scratch.expert_offsets, scratch.permuted
+    sizes = scratch.group_sizes
+    dense = fp8.dequantize(q, scale_inv, BF16)
+    want = jax.lax.ragged_dot(rows, dense, sizes, preferred_element_type=jnp.float32).astype(BF16)
+    got = gemm.fp8_forward(rows, q, scale_inv, offsets, 12)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    gated = gemm.fp8_forward(rows, q, scale_inv, offsets, 12, gated=True)
+    np.testing.assert_array_equal(np.asarray(gated, np.float32), np.asarray(gemm.gated_silu(want, BF16), np.float32))
+
+
+# ---- the decode kernel on FP8 weights (GPU) -----------------------------------------------------
+
+def _routed(config, num_tokens, ids=None, seed=0):
+    key_x, key_ids = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(key_x, (num_tokens, config.hidden_size), jnp.float32).astype(BF16)
+    if ids is None:
+        ids = jax.lax.top_k(jax.random.uniform(key_ids, (num_tokens, config.num_experts)), config.top_k)[1]
+    return jax.jit(permute)(x, jnp.asarray(ids, jnp.int32), init_scratch(config))
+
+
+def _check_fp8_kernel(scratch, num_local, k, n, num_rows=None, seed=4):
+    """The kernel on the scratch's groups, rows of width k (the permuted rows when k = H, else
+    random ones: the down projection's), against ragged_dot on the dequantised weights."""
+    num_rows = num_rows or scratch.permuted.shape[0]
+    rows = scratch.permuted if k == scratch.permuted.shape[1] else jax.random.normal(
+        jax.random.key(seed + 100), (scratch.permuted.shape[0], k)).astype(BF16)
+    q, scale_inv = jax.jit(fp8.quantize)(jax.random.normal(jax.random.key(seed), (num_local, k, n)) / np.sqrt(k))
+    dense = jax.jit(fp8.dequantize, static_argnums=2)(q, scale_inv, BF16)
+    sizes = jnp.diff(scratch.expert_offsets)
+    want = np.asarray(jax.jit(lambda r, w: jax.lax.ragged_dot(r[:num_rows], w, sizes,
+                                                              preferred_element_type=jnp.float32))(rows, dense))
+    for gated in (False, True):
+        got = jax.jit(lambda r, q, s, o: gemm.fp8_forward(r, q, s, o, num_rows, gated=gated))(
+            rows, q, scale_inv, scratch.expert_offsets)
+        expected = np.asarray(gemm.gated_silu(jnp.asarray(want, BF16), jnp.float32)) if gated else want
+        got = np.asarray(got, np.float32)
+        np.testing.assert_allclose(got, expected, atol=3e-2, rtol=3e-2)
+        live = min(int(scratch.expert_offsets[-1]), num_rows)
+        assert not got[live:].any(), "rows in no group must be zero"
+        assert np.abs(got[:live]).sum() > 0
+
+
+FP8_SHAPES = [(name, t) for name in ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b") for t in (1, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,num_tokens", FP8_SHAPES, ids=[f"{n}-T{t}" for n, t in FP8_SHAPES])
+def test_gpu_fp8_decode_kernel_model_shapes(name, num_tokens):
+    m = MODELS[name]
+    config = MoEConfig(num_experts=m.num_experts, top_k=m.top_k, hidden_size=m.hidden_size, max_tokens=num_tokens,
+                       dtype=BF16)
+    assert gemm.supports_fp8_decode(m.hidden_size, m.ffn_size)
+    scratch = _routed(config, num_tokens)
+    _check_fp8_kernel(scratch, m.num_experts, m.hidden_size, 2 * m.ffn_size)
+    _check_fp8_kernel(scratch, m.num_experts, m.ffn_size, m.hidden_size, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GROUPED_GEMM_EDGE_CASES))
+def test_gpu_fp8_decode_kernel_edge_cases(case):
+    kwargs, num_tokens, ids = grouped_gemm_edge_case(case)
+    config = MoEConfig(dtype=BF16, **kwargs)
+    scratch = _routed(config, num_tokens, ids)
+    _check_fp8_kernel(scratch, config.num_local_experts, 256, 512)
+    _check_fp8_kernel(scratch, config.num_local_experts, 256, 512, num_rows=config.live_row_bound(num_tokens))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_layer_at_decode_matches_dequantized_layer_and_differentiates_in_x():
+    config = MoEConfig(num_experts=16, top_k=4, hidden_size=256, max_tokens=2, dtype=BF16)
+    params = fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(0), config, 1, 128, shared_ffn_size=128))
+    layer = jax.tree.map(lambda a: a[0], params)
+    x = jax.random.normal(jax.random.key(1), (2, 256)).astype(BF16)
+    run = jax.jit(jax_moe.moe_layer)
+    assert "jax_moe_decode_matmul_fp8" in run.lower(layer, x, init_scratch(config)).compile().as_text()
+    got, _ = run(layer, x, init_scratch(config))
+    want, _ = run(_dequantized(layer), x, init_scratch(config))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
+    loss = lambda p, x: jnp.sum(jax_moe.moe_layer(p, x, init_scratch(config))[0].astype(jnp.float32) ** 2)
+    d_x = jax.jit(jax.grad(loss, argnums=1))(layer, x)
+    d_x_want = jax.jit(jax.grad(loss, argnums=1))(_dequantized(layer), x)
+    np.testing.assert_allclose(np.asarray(d_x, np.float32), np.asarray(d_x_want, np.float32), atol=0.1, rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_decode_kernel_reads_every_e4m3_value_exactly():
+    """One-hot rows pick k rows of weights that hold every finite e4m3 bit pattern (subnormals and
+    both zeros included) under power-of-two scales: the kernel's output is the dequantised row,
+    exactly (each sum has one nonzero term, and e4m3 times a power of two is a bf16)."""
+    k, n, num_rows = 128, 256, 8
+    bits = (np.arange(k)[:, None] * 7 + np.arange(n)[None, :]) % 256
+    bits[(bits & 0x7f) == 0x7f] = 0  # e4m3fn's two NaNs
+    q = jax.lax.bitcast_convert_type(jnp.asarray(bits[None], jnp.uint8), jnp.float8_e4m3fn)
+    scale_inv = jnp.asarray([[[0.5, 2.0 ** -7]]], jnp.float32)
+    picked = np.array([0, 3, 17, 40, 64, 90, 101, 127])
+    rows = jnp.asarray(np.eye(k)[picked], BF16)
+    offsets = jnp.asarray([0, num_rows], jnp.int32)
+    got = jax.jit(lambda r, q, s, o: gemm.fp8_forward(r, q, s, o, num_rows))(rows, q, scale_inv, offsets)
+    want = np.asarray(fp8.dequantize(q, scale_inv))[0][picked]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+    assert np.unique(bits[picked], axis=None).size == 254  # every finite pattern was read
