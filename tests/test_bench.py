@@ -6,6 +6,7 @@ measured times, and that each program really does one op per layer (nothing fold
 The numbers themselves mean nothing on CPU.
 """
 
+import dataclasses
 import json
 import math
 import re
@@ -185,6 +186,22 @@ def test_decode_suite_reports_roofline_of_the_bytes_read():
     assert any("copy ceiling" in n for n in notes)
     text = decode_suite.table(rows)
     assert "roofline" in text and TINY.label in text
+
+
+def test_decode_suite_times_fp8_experts_against_their_own_roofline():
+    model = dataclasses.replace(TINY, name="tiny128", label="tiny 128", hidden_size=128, ffn_size=128)
+    rows, _ = decode_suite.run([model], (2,), timing.Clock(), 1, with_peer=False)
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == {*decode_suite.VARIANTS, decode_suite.FP8_VARIANT}
+    bf16, fp8_row = by["jax_moe"], by[decode_suite.FP8_VARIANT]
+    assert "error" not in fp8_row and fp8_row["us_per_layer"] > 0
+    # Same draws quantised: the same routing, so the same experts read, at half the bytes plus
+    # one float32 scale per 128 x 128 block (3 blocks per expert here).
+    assert fp8_row["active_experts"] == bf16["active_experts"]
+    saved = fp8_row["active_experts"] * (3 * 128 * 128 * 2 - (3 * 128 * 128 + 3 * 4))
+    assert _close(bf16["bytes_per_layer"] - fp8_row["bytes_per_layer"], saved)
+    assert _close(fp8_row["pct_roofline"], 100 * fp8_row["roofline_us"] / fp8_row["us_per_layer"])
+    assert "FP8 vs bf16" in decode_suite.table(rows)
 
 
 def test_measure_isolated_keeps_rows_and_notes_a_failure():

@@ -5,6 +5,9 @@ scratch donated and threaded step to step, routing by each layer's own router), 
 - ``jax_moe``: the kernels ``gemm.pick_tile`` chooses (the decode kernel at few rows per expert);
 - ``jax_moe/cutlass``: the same step with the decode kernel switched off (CUTLASS grouped GEMMs:
   the path before it), so the crossover is measured in the same run;
+- ``jax_moe/fp8``: the same step on FP8 experts (``jax_moe.fp8``: e4m3 weights, a float32 scale
+  per 128 x 128 block; the same draws, quantised), where H and F are multiples of 128, against its
+  own roofline (the experts' FP8 bytes and scales);
 - the PyTorch + Hugging Face peer: L transformers ``Qwen3MoeSparseMoeBlock``s (torch grouped_mm)
   in the same residual stack, the forward captured in one CUDA graph, its own process.
 
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe
-from jax_moe import gemm
+from jax_moe import fp8, gemm
 from jax_moe.bench import timing, torch_peer
 from jax_moe.bench.models import ROW_DTYPE, ModelShape
 from jax_moe.bench.stack_suite import init_stack_params
@@ -38,6 +41,7 @@ LAYERS = {"mixtral": 8, "qwen3_30b": 16, "deepseek_v3": 4, "qwen35_397b": 8, "ti
 PEER_STEPS, PEER_WARMUP, PEER_TIMEOUT_S = 50, 5, 300
 DENSE_TFLOPS = 790.0  # bf16 dense rate of the H200 (DESIGN.md §7b), for the FLOP roofline only
 VARIANTS = ("jax_moe", "jax_moe/cutlass")
+FP8_VARIANT = "jax_moe/fp8"
 METHOD = ("Per layer = back-to-back step time / L (" + timing.STEP_METHOD + "). Roofline = (bytes of the "
           "experts owning rows, counted from the step's routing and averaged over layers, + shared expert "
           "+ router) / copy rate of the same run. Peer: transformers Qwen3MoeSparseMoeBlock stack with torch "
@@ -66,10 +70,14 @@ def run_peer(model: ModelShape, token_counts, layers: int) -> dict[int, dict]:
 
 
 def layer_bytes(model: ModelShape, params: dict, active_experts: float) -> float:
-    """Bytes one layer must read: the experts owning rows, the shared expert and the router."""
-    expert = 3 * model.hidden_size * model.ffn_size * 2
-    small = sum(leaf[0].nbytes for name, leaf in params.items() if name not in ("gate_up", "down"))
-    return active_experts * expert + small
+    """Bytes one layer must read: the experts owning rows (FP8 ones with their scales), the shared
+    expert and the router."""
+    per_expert = sum(leaf[0, 0].nbytes for name, leaf in params.items() if name in EXPERT_LEAVES)
+    small = sum(leaf[0].nbytes for name, leaf in params.items() if name not in EXPERT_LEAVES)
+    return active_experts * per_expert + small
+
+
+EXPERT_LEAVES = ("gate_up", "down", *(name + fp8.SCALE_SUFFIX for name in fp8.QUANTIZED_NAMES))
 
 
 def _active_experts(params, x, config) -> float:
@@ -83,51 +91,74 @@ def _layers(model: ModelShape) -> int:
     return LAYERS.get(model.name, model.stack_layers or 2)
 
 
+def _time_step(params, x, config, layers: int, row: dict) -> None:
+    """One jitted stack step, scratch donated and threaded: µs per layer into ``row``."""
+    try:
+        step = jax.jit(lambda carry, p, x: jax_moe.moe_stack(p, x, carry[1]), donate_argnums=0)
+        carry_spec = (x, jax.eval_shape(lambda: jax_moe.init_scratch(config)))
+        compiled = step.lower(carry_spec, params, x).compile()
+        measured, carry = timing.step_seconds(compiled, (jnp.zeros_like(x), jax_moe.init_scratch(config)), params, x)
+        del carry
+        row["us_per_layer"] = measured["back_to_back_s"] * 1e6 / layers
+        row["step_us_latency"] = measured["latency_s"] * 1e6
+    except Exception as e:
+        row["error"] = timing.describe_error(e)
+
+
+def _log(clock, rows, model: ModelShape, tokens: int) -> None:
+    mine = [r for r in rows if r["T"] == tokens and r["model"] == model.name]
+    clock.log(f"decode {model.name} T={tokens} (roofline {mine[0]['roofline_us'] or 0:.0f} us): " + ", ".join(
+        f"{r['impl']} {r['us_per_layer']:.0f} us" if "us_per_layer" in r else f"{r['impl']} {r.get('error')}"
+        for r in mine))
+
+
 def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict | None) -> list[dict]:
-    """jax_moe's rows (both variants) and, with ``peer`` (run_peer's results), the peer's."""
+    """jax_moe's rows (all variants) and, with ``peer`` (run_peer's results), the peer's."""
     layers = _layers(model)
-    with_peer = peer is not None
     key = jax.random.PRNGKey(0)
-    params = init_stack_params(key, model.config(max(token_counts)), layers, model.ffn_size,
-                               **model.param_options())
-    rows = []
+    stack_args = (key, model.config(max(token_counts)), layers, model.ffn_size)
+    params = init_stack_params(*stack_args, **model.param_options())
+
+    def roofline(bytes_read):
+        return bytes_read / (copy_gbs * 1e3) if copy_gbs else None
+
+    rows, bases = [], {}
     for tokens in token_counts:
         config = model.config(tokens)
         x = jax.random.normal(jax.random.fold_in(key, tokens), (tokens, model.hidden_size), ROW_DTYPE)
         active = _active_experts(params, x, config)
         bytes_read = layer_bytes(model, params, active)
-        base = {"model": model.name, "label": model.label, "T": tokens, "layers": layers,
-                "active_experts": active, "bytes_per_layer": bytes_read,
-                "roofline_us": bytes_read / (copy_gbs * 1e3) if copy_gbs else None,
-                "flop_roofline_us": 2 * tokens * model.top_k * model.hidden_size * 3 * model.ffn_size
-                / (DENSE_TFLOPS * 1e6),
-                "tile": gemm.TILE_NAMES[gemm.pick_tile(config.live_row_bound(tokens), config.num_local_experts,
-                                                       config.group_row_bound(tokens))]}
+        base = bases[tokens] = {
+            "model": model.name, "label": model.label, "T": tokens, "layers": layers, "active_experts": active,
+            "bytes_per_layer": bytes_read, "roofline_us": roofline(bytes_read),
+            "flop_roofline_us": 2 * tokens * model.top_k * model.hidden_size * 3 * model.ffn_size
+            / (DENSE_TFLOPS * 1e6),
+            "tile": gemm.TILE_NAMES[gemm.pick_tile(config.live_row_bound(tokens), config.num_local_experts,
+                                                   config.group_row_bound(tokens))]}
         for variant in VARIANTS:
-            row = {**base, "impl": variant}
-            try:
-                with decode_kernel(variant == "jax_moe"):
-                    step = jax.jit(lambda carry, p, x: jax_moe.moe_stack(p, x, carry[1]), donate_argnums=0)
-                    carry_spec = (x, jax.eval_shape(lambda: jax_moe.init_scratch(config)))
-                    compiled = step.lower(carry_spec, params, x).compile()
-                measured, carry = timing.step_seconds(compiled, (jnp.zeros_like(x), jax_moe.init_scratch(config)),
-                                                      params, x)
-                del carry
-                row["us_per_layer"] = measured["back_to_back_s"] * 1e6 / layers
-                row["step_us_latency"] = measured["latency_s"] * 1e6
-            except Exception as e:
-                row["error"] = timing.describe_error(e)
-            rows.append(row)
-        if with_peer:
+            rows.append(row := {**base, "impl": variant})
+            with decode_kernel(variant == "jax_moe"):
+                _time_step(params, x, config, layers, row)
+        if peer is not None:
             rows.append({**base, "impl": "peer", **{k: v for k, v in peer.get(tokens, {}).items()
                                                    if k in ("us_per_layer", "error")}})
-        for row in rows[-len(VARIANTS) - with_peer:]:
-            if row.get("us_per_layer") and row.get("roofline_us"):
-                row["pct_roofline"] = 100 * row["roofline_us"] / row["us_per_layer"]
-        clock.log(f"decode {model.name} T={tokens} (roofline {base['roofline_us'] or 0:.0f} us): " + ", ".join(
-            f"{r['impl']} {r['us_per_layer']:.0f} us" if "us_per_layer" in r else f"{r['impl']} {r.get('error')}"
-            for r in rows if r["T"] == tokens and r["model"] == model.name))
+        _log(clock, rows, model, tokens)
     del params
+    if model.hidden_size % fp8.BLOCK == 0 and model.ffn_size % fp8.BLOCK == 0:
+        # The same draws quantised (so the same routing), built after the bf16 stack is freed.
+        params = init_stack_params(*stack_args, fp8=True, **model.param_options())
+        for tokens in token_counts:
+            config = model.config(tokens)
+            x = jax.random.normal(jax.random.fold_in(key, tokens), (tokens, model.hidden_size), ROW_DTYPE)
+            bytes_read = layer_bytes(model, params, bases[tokens]["active_experts"])
+            rows.append(row := {**bases[tokens], "impl": FP8_VARIANT, "bytes_per_layer": bytes_read,
+                                "roofline_us": roofline(bytes_read)})
+            _time_step(params, x, config, layers, row)
+            _log(clock, rows, model, tokens)
+        del params
+    for row in rows:
+        if row.get("us_per_layer") and row.get("roofline_us"):
+            row["pct_roofline"] = 100 * row["roofline_us"] / row["us_per_layer"]
     return rows
 
 
@@ -168,13 +199,17 @@ def table(rows: list[dict]) -> str:
         for impl in (*VARIANTS, "peer"):
             r = by.get(impl, {})
             line += [fmt_us(r.get("us_per_layer")), fmt_pct(r.get("pct_roofline"))]
-        ours, peer = by.get("jax_moe", {}), by.get("peer", {})
+        ours, peer, fp8_row = by.get("jax_moe", {}), by.get("peer", {}), by.get(FP8_VARIANT, {})
         line.append(f"{peer['us_per_layer'] / ours['us_per_layer']:.2f}x"
                     if ours.get("us_per_layer") and peer.get("us_per_layer") else "–")
+        line += [fmt_us(fp8_row.get("roofline_us")), fmt_us(fp8_row.get("us_per_layer")),
+                 fmt_pct(fp8_row.get("pct_roofline")),
+                 f"{ours['us_per_layer'] / fp8_row['us_per_layer']:.2f}x"
+                 if ours.get("us_per_layer") and fp8_row.get("us_per_layer") else "–"]
         lines.append(line)
     return md_table(["model", "T", "experts read", "roofline µs", "kernel", "jax_moe µs", "% roofline",
-                     "CUTLASS path µs", "% roofline", "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer"],
-                    lines)
+                     "CUTLASS path µs", "% roofline", "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
+                     "FP8 roofline µs", "FP8 µs", "% FP8 roofline", "FP8 vs bf16"], lines)
 
 
 def markdown(record: dict) -> str:

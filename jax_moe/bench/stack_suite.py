@@ -53,15 +53,18 @@ NOTES = (
 )
 
 
-def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int, **options) -> dict:
+def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int, *, fp8: bool = False,
+                      **options) -> dict:
     """``init_moe_params`` drawn one expert at a time (``lax.map``), stacked to [L, El, ...].
 
     Drawing a whole layer at once takes float32 temporaries several times the layer's size
     (DeepSeek-V3: 22.5 GB of bf16 per layer), more than the card holds next to the stack. The
     router comes from ``init_moe_params`` with the full config (and a throwaway ffn of 1); every
     other leaf from ``init_moe_params`` for a one-expert config, so the scaling stays in one place.
+    ``fp8``: each expert quantised as it is drawn (``jax_moe.fp8``): the same draws, FP8 experts
+    and their scales, never a bf16 copy of the stack.
     """
-    from jax_moe import layers as moe_layers  # imported late: a missing module fails this suite only
+    from jax_moe import fp8 as moe_fp8, layers as moe_layers  # imported late: a missing module fails this suite only
 
     num_local = config.num_local_experts
     one_expert = MoEConfig(num_experts=1, top_k=1, hidden_size=config.hidden_size, max_tokens=1,
@@ -69,7 +72,8 @@ def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int, **opti
 
     def expert(expert_key):
         drawn = moe_layers.init_moe_params(expert_key, one_expert, 1, ffn_size)
-        return {name: leaf[0, 0] for name, leaf in drawn.items() if name != "router"}
+        drawn = {name: leaf[0, 0] for name, leaf in drawn.items() if name != "router"}
+        return moe_fp8.quantize_params(drawn) if fp8 else drawn
 
     def build(k):
         router_key, experts_key = jax.random.split(k)
