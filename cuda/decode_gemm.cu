@@ -124,25 +124,25 @@ __device__ Group FindGroup(const int32_t* offsets, int num_groups, int out_rows,
   return found;
 }
 
-// acc[m][c] += sum over the step's 8 k rows i of x[m][i] * (w[i][c] * scale), for the pass's
-// live rows (scale: the FP8 block's scale_inv; 1 for bf16, where it is not applied).
+// acc[m][c] += sum over the step's 8 k rows i of (x[m][i] * scale) * w[i][c], for the pass's
+// live rows (scale: the FP8 block's scale_inv, shared by the step's 8 k rows; not applied for
+// bf16). Scaling the 8 row values instead of the 64 weights saves 56 multiplies per step; both
+// orders round once before the product.
 template <int kRowsPerPass, bool kFp8, typename Vector>
 __device__ __forceinline__ void Accumulate(float (&acc)[kRowsPerPass][8], const Vector (&w)[kStepRows],
                                            float scale, const Bf16* x, int64_t k, int rows_now) {
   float wf[kStepRows][8];
 #pragma unroll
-  for (int i = 0; i < kStepRows; ++i) {
-    Unpack(w[i], wf[i]);
-    if constexpr (kFp8) {
-#pragma unroll
-      for (int c = 0; c < 8; ++c) wf[i][c] = __fmul_rn(wf[i][c], scale);
-    }
-  }
+  for (int i = 0; i < kStepRows; ++i) Unpack(w[i], wf[i]);
 #pragma unroll
   for (int m = 0; m < kRowsPerPass; ++m) {
     if (m < rows_now) {
       float xf[8];
       Unpack(__ldg(reinterpret_cast<const uint4*>(x + m * k)), xf);
+      if constexpr (kFp8) {
+#pragma unroll
+        for (int i = 0; i < kStepRows; ++i) xf[i] = __fmul_rn(xf[i], scale);
+      }
 #pragma unroll
       for (int i = 0; i < kStepRows; ++i)
 #pragma unroll

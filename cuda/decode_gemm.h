@@ -8,7 +8,8 @@
 // allocation; the groups are read on the device; the result is deterministic (fixed summation
 // order) and rows in no group come out zero.
 // FP8 weights (jax_moe/fp8.py): float8_e4m3fn with a float32 scale_inv per 128 x 128 block; each
-// weight is dequantised (q * scale_inv, float32) in registers and multiplied with the bf16 rows.
+// weight is converted exactly to float32 in registers and multiplied with the row value times its
+// block's scale_inv (float32), so the weights are never rounded to bf16.
 #ifndef JAX_MOE_DECODE_GEMM_H_
 #define JAX_MOE_DECODE_GEMM_H_
 
