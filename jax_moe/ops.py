@@ -143,6 +143,17 @@ def invert_dest(dest: jax.Array, num_rows: int) -> jax.Array:
     return jnp.full((num_rows,), -1, jnp.int32).at[rows].set(flat, mode="drop")
 
 
+def rows_by_dest(x: jax.Array, dest: jax.Array, num_rows: int) -> jax.Array:
+    """permute's rows again, from x [T, H] and that call's dest [T, k] (no checks): [num_rows, H].
+
+    Row dest[t, j] is x[t]; every row no route points at (align padding, rows past the live ones)
+    is zero. Lets a backward recompute the rows instead of keeping them: one gather.
+    """
+    src = invert_dest(dest, num_rows)
+    token = jnp.maximum(src, 0) // dest.shape[1]
+    return jnp.where((src >= 0)[:, None], x[token], jnp.zeros((), x.dtype))
+
+
 @jax.custom_vjp
 def unpermute_by_dest(y, topk_weights, dest_index):
     """``unpermute`` from a ``dest_index`` [>= T, k] int32 array instead of a scratch (no checks).
