@@ -211,9 +211,11 @@ def fp8_forward(rows, weights, scale_inv, offsets, num_rows: int, group_rows: in
     """The decode kernel on FP8 experts (``jax_moe.fp8``): ``[num_rows, N]`` = each group's rows @
     dequantised weights[g] [K, N] (``gated``: ``[num_rows, N / 2]``, ``gated_silu`` of it, the
     product rounded to rows' dtype first). Elsewhere: the same math on dequantised weights
-    (``ragged_dot``). No autodiff rule. K and N multiples of 128 on a GPU (``supports_fp8_decode``).
+    (``ragged_dot``), also on a GPU for rows other than bf16 or K, N (N / 2 when gated) not
+    multiples of 128, which the kernel does not take. No autodiff rule.
     """
-    width = weights.shape[2] // 2 if gated else weights.shape[2]
+    k, n = weights.shape[1:]
+    width = n // 2 if gated else n
 
     def fallback(r, w, s, o):
         out = _ragged_dot(r[:num_rows], fp8.dequantize(w, s, r.dtype), o).astype(r.dtype)
@@ -222,7 +224,8 @@ def fp8_forward(rows, weights, scale_inv, offsets, num_rows: int, group_rows: in
     def native(r, w, s, o):
         return _decode_call(r, w, o, (num_rows, width), gated=gated, group_rows=group_rows, scale_inv=s)
 
-    if not _native.HAS_CUDA:
+    kernel_takes = rows.dtype == jnp.bfloat16 and k % fp8.BLOCK == 0 and width % fp8.BLOCK == 0
+    if not (_native.HAS_CUDA and kernel_takes):
         return fallback(rows, weights, scale_inv, offsets)
     return lax.platform_dependent(rows, weights, scale_inv, offsets, cuda=native, default=fallback)
 
