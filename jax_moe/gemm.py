@@ -224,10 +224,9 @@ def fp8_forward(rows, weights, scale_inv, offsets, num_rows: int, group_rows: in
     def native(r, w, s, o):
         return _decode_call(r, w, o, (num_rows, width), gated=gated, group_rows=group_rows, scale_inv=s)
 
-    kernel_takes = rows.dtype == jnp.bfloat16 and k % fp8.BLOCK == 0 and width % fp8.BLOCK == 0
-    if not (_native.HAS_CUDA and kernel_takes):
+    if not (rows.dtype == jnp.bfloat16 and supports_fp8_decode(k, width)):
         return fallback(rows, weights, scale_inv, offsets)
-    return lax.platform_dependent(rows, weights, scale_inv, offsets, cuda=native, default=fallback)
+    return _on_cuda(native, fallback, rows, weights, scale_inv, offsets)
 
 
 def input_grad(d_out, weights, offsets, workspace, num_rows: int, tile: int):
