@@ -122,10 +122,12 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
     def roofline(bytes_read):
         return bytes_read / (copy_gbs * 1e3) if copy_gbs else None
 
+    # Each T's config and tokens, the same for the bf16 and the FP8 stack.
+    inputs = {tokens: (model.config(tokens), jax.random.normal(jax.random.fold_in(key, tokens),
+                                                               (tokens, model.hidden_size), ROW_DTYPE))
+              for tokens in token_counts}
     rows, bases = [], {}
-    for tokens in token_counts:
-        config = model.config(tokens)
-        x = jax.random.normal(jax.random.fold_in(key, tokens), (tokens, model.hidden_size), ROW_DTYPE)
+    for tokens, (config, x) in inputs.items():
         active = _active_experts(params, x, config)
         bytes_read = layer_bytes(model, params, active)
         base = bases[tokens] = {
@@ -147,9 +149,7 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
     if model.hidden_size % fp8.BLOCK == 0 and model.ffn_size % fp8.BLOCK == 0:
         # The same draws quantised (so the same routing), built after the bf16 stack is freed.
         params = init_stack_params(*stack_args, fp8=True, **model.param_options())
-        for tokens in token_counts:
-            config = model.config(tokens)
-            x = jax.random.normal(jax.random.fold_in(key, tokens), (tokens, model.hidden_size), ROW_DTYPE)
+        for tokens, (config, x) in inputs.items():
             bytes_read = layer_bytes(model, params, bases[tokens]["active_experts"])
             rows.append(row := {**bases[tokens], "impl": FP8_VARIANT, "bytes_per_layer": bytes_read,
                                 "roofline_us": roofline(bytes_read)})
