@@ -305,3 +305,17 @@ def grouped_gemm_edge_case(name: str) -> tuple[dict, int, np.ndarray | None]:
     ids = spec.pop("ids", None)
     config = dict(num_experts=16, top_k=2, hidden_size=256, max_tokens=300, **spec)
     return config, num_tokens, None if ids is None else ids(num_tokens, 2)
+
+
+def routed_scratch(config, num_tokens: int, ids=None, seed: int = 0):
+    """A scratch after a real (jitted) permute of random tokens of config.dtype: ids [T, k] as given,
+    else each token's top-k of random scores (distinct experts). Imports jax on first use."""
+    import jax
+    import jax.numpy as jnp
+    from jax_moe import init_scratch, permute
+
+    key_x, key_ids = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(key_x, (num_tokens, config.hidden_size), jnp.float32).astype(config.dtype)
+    if ids is None:
+        ids = jax.lax.top_k(jax.random.uniform(key_ids, (num_tokens, config.num_experts)), config.top_k)[1]
+    return jax.jit(permute)(x, jnp.asarray(ids, jnp.int32), init_scratch(config))

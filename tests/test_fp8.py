@@ -16,7 +16,7 @@ import pytest
 import jax_moe
 from jax_moe import MoEConfig, fp8, gemm, init_scratch, permute
 from jax_moe.bench.models import MODELS
-from cases import GROUPED_GEMM_EDGE_CASES, grouped_gemm_edge_case
+from cases import GROUPED_GEMM_EDGE_CASES, grouped_gemm_edge_case, routed_scratch
 
 BF16 = jnp.bfloat16
 
@@ -142,14 +142,6 @@ def test_fp8_forward_fallback_is_the_dequantized_product():
 
 # ---- the decode kernel on FP8 weights (GPU) -----------------------------------------------------
 
-def _routed(config, num_tokens, ids=None, seed=0):
-    key_x, key_ids = jax.random.split(jax.random.key(seed))
-    x = jax.random.normal(key_x, (num_tokens, config.hidden_size), jnp.float32).astype(BF16)
-    if ids is None:
-        ids = jax.lax.top_k(jax.random.uniform(key_ids, (num_tokens, config.num_experts)), config.top_k)[1]
-    return jax.jit(permute)(x, jnp.asarray(ids, jnp.int32), init_scratch(config))
-
-
 def _check_fp8_kernel(scratch, num_local, k, n, num_rows=None, seed=4):
     """The kernel on the scratch's groups, rows of width k (the permuted rows when k = H, else
     random ones: the down projection's), against ragged_dot on the dequantised weights."""
@@ -182,7 +174,7 @@ def test_gpu_fp8_decode_kernel_model_shapes(name, num_tokens):
     config = MoEConfig(num_experts=m.num_experts, top_k=m.top_k, hidden_size=m.hidden_size, max_tokens=num_tokens,
                        dtype=BF16)
     assert gemm.supports_fp8_decode(m.hidden_size, m.ffn_size)
-    scratch = _routed(config, num_tokens)
+    scratch = routed_scratch(config, num_tokens)
     _check_fp8_kernel(scratch, m.num_experts, m.hidden_size, 2 * m.ffn_size)
     _check_fp8_kernel(scratch, m.num_experts, m.ffn_size, m.hidden_size, seed=5)
 
@@ -192,7 +184,7 @@ def test_gpu_fp8_decode_kernel_model_shapes(name, num_tokens):
 def test_gpu_fp8_decode_kernel_edge_cases(case):
     kwargs, num_tokens, ids = grouped_gemm_edge_case(case)
     config = MoEConfig(dtype=BF16, **kwargs)
-    scratch = _routed(config, num_tokens, ids)
+    scratch = routed_scratch(config, num_tokens, ids)
     _check_fp8_kernel(scratch, config.num_local_experts, 256, 512)
     _check_fp8_kernel(scratch, config.num_local_experts, 256, 512, num_rows=config.live_row_bound(num_tokens))
 

@@ -18,22 +18,11 @@ import numpy as np
 import pytest
 
 import jax_moe
-from jax_moe import MoEConfig, gemm, init_scratch, permute
+from jax_moe import MoEConfig, gemm, init_scratch
 from jax_moe.bench.models import MODELS
-from cases import GROUPED_GEMM_EDGE_CASES as GPU_EDGE_CASES, grouped_gemm_edge_case
+from cases import GROUPED_GEMM_EDGE_CASES as GPU_EDGE_CASES, grouped_gemm_edge_case, routed_scratch
 
 BF16 = jnp.bfloat16
-
-
-def _routed(config: MoEConfig, num_tokens: int, ids=None, seed=0):
-    """A scratch after a real permute of random tokens, and its group sizes."""
-    key_x, key_ids = jax.random.split(jax.random.key(seed))
-    x = jax.random.normal(key_x, (num_tokens, config.hidden_size), jnp.float32).astype(config.dtype)
-    if ids is None:
-        scores = jax.random.uniform(key_ids, (num_tokens, config.num_experts))
-        ids = jax.lax.top_k(scores, config.top_k)[1]
-    scratch = jax.jit(permute)(x, jnp.asarray(ids, jnp.int32), init_scratch(config))
-    return scratch
 
 
 def _weights(num_experts, k, n, seed=1):
@@ -65,7 +54,7 @@ def _check(rows, weights, scratch, num_rows=None, tile=None):
 
 def test_matches_ragged_dot_with_padding_and_zero_tail():
     config = MoEConfig(num_experts=6, top_k=2, hidden_size=32, max_tokens=20, dtype=BF16, align=4)
-    scratch = _routed(config, 13)
+    scratch = routed_scratch(config, 13)
     w = _weights(6, 32, 24)
     _check(scratch.permuted, w, scratch)
     _check(scratch.permuted, w, scratch, num_rows=30)
@@ -95,7 +84,7 @@ def test_rejects_bad_arguments():
 
 def test_gradients_match_ragged_dot():
     config = MoEConfig(num_experts=4, top_k=2, hidden_size=16, max_tokens=10, dtype=BF16, align=2)
-    scratch = _routed(config, 7)
+    scratch = routed_scratch(config, 7)
     rows, w = scratch.permuted, _weights(4, 16, 8)
     sizes = scratch.group_sizes
     cot = jax.random.normal(jax.random.key(3), (config.capacity, 8))
@@ -146,7 +135,7 @@ def test_tile_choice_follows_rows_per_expert():
 
 def test_gated_forward_is_the_activation_of_the_product():
     config = MoEConfig(num_experts=4, top_k=2, hidden_size=16, max_tokens=10, dtype=BF16)
-    scratch = _routed(config, 9)
+    scratch = routed_scratch(config, 9)
     w = _weights(4, 16, 32)
     rows, offsets, ws = scratch.permuted, scratch.expert_offsets, scratch.workspace
     for tile in gemm.TILES:
@@ -173,7 +162,7 @@ GPU_SHAPES = [("mixtral", 64), ("mixtral", 1024), ("qwen3_30b", 64), ("qwen3_30b
 @pytest.mark.parametrize("name,num_tokens", GPU_SHAPES, ids=[f"{n}-T{t}" for n, t in GPU_SHAPES])
 def test_gpu_model_shapes_match_ragged_dot(name, num_tokens):
     config, ffn = _model_config(name, num_tokens)
-    scratch = _routed(config, num_tokens)
+    scratch = routed_scratch(config, num_tokens)
     up = _weights(config.num_experts, config.hidden_size, 2 * ffn)
     hidden, scratch = _check(scratch.permuted, up, scratch)
     if gemm.pick_tile(config.capacity, config.num_experts) == gemm.DECODE_TILE:
@@ -207,7 +196,7 @@ def test_gpu_decode_kernel_model_shapes(name, num_tokens):
     """Decode sizes of the four models: plain and gated products of the decode kernel, both projections
     (at T=16 pick_tile may prefer CUTLASS: the decode kernel is asked for explicitly)."""
     config, ffn = _model_config(name, num_tokens)
-    scratch = _routed(config, num_tokens)
+    scratch = routed_scratch(config, num_tokens)
     if num_tokens == 1:
         assert gemm.pick_tile(config.capacity, config.num_experts, config.group_row_bound(1)) == gemm.DECODE_TILE
     up = _weights(config.num_experts, config.hidden_size, 2 * ffn)
@@ -223,7 +212,7 @@ def test_gpu_decode_kernel_model_shapes(name, num_tokens):
 def test_gpu_edge_cases_match_ragged_dot(case):
     kwargs, num_tokens, ids = grouped_gemm_edge_case(case)
     config = MoEConfig(dtype=BF16, **kwargs)
-    scratch = _routed(config, num_tokens, ids)
+    scratch = routed_scratch(config, num_tokens, ids)
     w = _weights(config.num_local_experts, 256, 512)
     _check(scratch.permuted, w, scratch)
     _check(scratch.permuted, w, scratch, num_rows=config.live_row_bound(num_tokens))
@@ -266,7 +255,7 @@ TILE_IDS = ["small-tile", "large-tile", "decode", "decode-many-rows"]
 @pytest.mark.parametrize("k,n", ODD_TILE_SHAPES, ids=[f"K{k}-N{n}" for k, n in ODD_TILE_SHAPES])
 def test_gpu_partial_tiles_match_ragged_dot(k, n, num_tokens, tile):
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=k, max_tokens=num_tokens, dtype=BF16)
-    scratch = _routed(config, num_tokens)
+    scratch = routed_scratch(config, num_tokens)
     _check(scratch.permuted, _weights(8, k, n), scratch, tile=tile)
     if tile == gemm.DECODE_TILE and n % 16 == 0:
         _check_gated(scratch.permuted, _weights(8, k, n), scratch)
@@ -276,7 +265,7 @@ def test_gpu_partial_tiles_match_ragged_dot(k, n, num_tokens, tile):
 @pytest.mark.parametrize("num_tokens,tile", TILE_CASES, ids=TILE_IDS)
 def test_gpu_repeat_runs_are_bitwise_equal(num_tokens, tile):
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=512, max_tokens=num_tokens, dtype=BF16)
-    scratch = _routed(config, num_tokens)
+    scratch = routed_scratch(config, num_tokens)
     w = _weights(8, 512, 1024)
     run = jax.jit(lambda r, w, s: jax_moe.grouped_matmul(r, w, s, tile=tile), donate_argnums=2)
     rows = jnp.array(scratch.permuted)
