@@ -10,10 +10,11 @@ rounded to the rows' dtype) and multiplied with the rows as they are (bf16, floa
 activations are not quantised. On a GPU at decode sizes (``gemm.fp8_decode_plan``) the decode
 kernel reads the FP8 bytes and multiplies each exact q with the row value times scale_inv in
 float32 (never rounding the weight to bf16, so it differs from the dequantised weights' product by
-bf16 rounding), so a step reads half the bytes of bf16 experts. Elsewhere (CPU; GPU prefill) each layer dequantises its experts, then runs the bf16
-experts: FP8 params halve the experts' memory (a DeepSeek-V3 checkpoint loads as stored), but such
-a step is slower than bf16, since the dequantised copy of every expert of the layer is written
-and read once per step. An FP8 tensor-core grouped GEMM for prefill is not built yet.
+bf16 rounding), so a step reads half the bytes of bf16 experts. Elsewhere (CPU; GPU prefill) each
+layer dequantises its experts, then runs the bf16 experts: FP8 params halve the experts' memory (a
+DeepSeek-V3 checkpoint loads as stored), but such a step is slower than bf16, since the
+dequantised copy of every expert of the layer is written and read once per step. An FP8
+tensor-core grouped GEMM for prefill is not built yet.
 """
 
 from __future__ import annotations

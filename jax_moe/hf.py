@@ -277,7 +277,6 @@ def _dequantize(weight: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
     return weight.astype(np.float32) * full
 
 
-
 def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = False) -> dict:
     L, E, H, F = len(layout.moe_layers), layout.num_experts, layout.hidden, layout.ffn
     np_dtype = np.dtype(dtype)
