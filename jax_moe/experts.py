@@ -175,21 +175,50 @@ def swiglu_grouped_grad(rows, hidden, offsets, gate_up, down, d_out, num_rows: i
       ``(d_rows [num_rows, H], d_gate_up, d_down)``: the weight gradients [El, ...], or the stacks
       when given. Rows' dtype, float32 accumulation.
     """
-    d_out = d_out.astype(rows.dtype)
+    d_rows, d_hidden, d_down, _, workspace = swiglu_grouped_grad_but_gate_up(
+        hidden, offsets, gate_up, down, d_out.astype(rows.dtype), num_rows, tile,
+        None if stacks is None else stacks[1], layer)
+    if stacks is None:
+        d_gate_up, _ = gemm.weight_grad(rows, d_hidden, offsets, workspace, gate_up.shape[0])
+    else:
+        d_gate_up, _ = gemm.weight_grad_into(rows, d_hidden, offsets, workspace, stacks[0], layer)
+    return d_rows, d_gate_up, d_down
+
+
+def swiglu_grouped_grad_but_gate_up(hidden, offsets, gate_up, down, d_out, num_rows: int, tile: int,
+                                    down_stack=None, layer=None, row_weights=None):
+    """``swiglu_grouped_grad`` without its last GEMM, the gate/up weight gradient rows^T @ d_hidden.
+
+    For a caller that must order that GEMM after other work (``jax_moe.stack`` keeps activations
+    in the buffer it writes). ``d_out`` in hidden's dtype; ``down_stack``/``layer`` as ``stacks[1]``
+    there.
+
+    row_weights: optional [num_rows] float32 w_r, when the cotangent is that of the weighted rows
+    w_r * out_r and ``d_out`` is given unweighted (unpermute's combine: d_out[r] = d y[token of r]).
+    Then d out_r = w_r * d_out_r, and also d w_r = <out_r, d_out_r> = <act_r, d_out_r @ down^T>:
+    the expert outputs need not be kept for the router's gradient, the input-gradient GEMM of the
+    down projection gives it.
+
+    Returns ``(d_rows [num_rows, H], d_hidden [num_rows, 2F], d_down, d_row_weights [num_rows]
+    float32 or None, workspace)``.
+    """
     num_groups = gate_up.shape[0]
     workspace = gemm.backward_workspace(num_groups)
-
-    def weight_grad(a, b, workspace, which):
-        if stacks is None:
-            return gemm.weight_grad(a, b, offsets, workspace, num_groups)
-        return gemm.weight_grad_into(a, b, offsets, workspace, stacks[which], layer)
-
     d_activated, workspace = gemm.input_grad(d_out, down, offsets, workspace, num_rows, tile)
-    d_down, workspace = weight_grad(gated_silu(hidden, rows.dtype), d_out, workspace, 1)
+    activated = gated_silu(hidden, hidden.dtype)  # rounded as the forward rounded it
+    d_row_weights = None
+    if row_weights is not None:
+        d_row_weights = jnp.sum(activated.astype(jnp.float32) * d_activated.astype(jnp.float32), axis=-1)
+        # sum_r act_r^T (w_r d_out_r) = sum_r (w_r act_r)^T d_out_r: the [R, F] side takes the weight
+        activated = (activated.astype(jnp.float32) * row_weights[:, None]).astype(hidden.dtype)
+        d_activated = d_activated.astype(jnp.float32) * row_weights[:, None]
+    if down_stack is None:
+        d_down, workspace = gemm.weight_grad(activated, d_out, offsets, workspace, num_groups)
+    else:
+        d_down, workspace = gemm.weight_grad_into(activated, d_out, offsets, workspace, down_stack, layer)
     d_hidden = gated_silu_grad(hidden, d_activated)
     d_rows, workspace = gemm.input_grad(d_hidden, gate_up, offsets, workspace, num_rows, tile)
-    d_gate_up, _ = weight_grad(rows, d_hidden, workspace, 0)
-    return d_rows, d_gate_up, d_down
+    return d_rows, d_hidden, d_down, d_row_weights, workspace
 
 
 def _swiglu_grouped_bwd(num_rows, tile, group_rows, residuals, cotangents):

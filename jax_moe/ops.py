@@ -154,6 +154,21 @@ def rows_by_dest(x: jax.Array, dest: jax.Array, num_rows: int) -> jax.Array:
     return jnp.where((src >= 0)[:, None], x[token], jnp.zeros((), x.dtype))
 
 
+def routes_by_dest(values: jax.Array, dest: jax.Array, num_rows: int) -> jax.Array:
+    """Each row's route value: [num_rows] from values [T, k] and dest [T, k] (no checks).
+
+    Row dest[t, j] gets values[t, j]; rows no route points at get 0. ``rows_by_dest`` for one
+    number per route (the router weights of the rows, for a backward that keeps no scratch).
+    """
+    src = invert_dest(dest, num_rows)
+    return jnp.where(src >= 0, values.reshape(-1)[jnp.maximum(src, 0)], jnp.zeros((), values.dtype))
+
+
+def routes_from_rows(row_values: jax.Array, dest: jax.Array) -> jax.Array:
+    """``routes_by_dest``'s transpose: [T, k] route (t, j) gets row_values[dest[t, j]], 0 if dropped."""
+    return jnp.where(dest >= 0, row_values[jnp.maximum(dest, 0)], jnp.zeros((), row_values.dtype))
+
+
 @jax.custom_vjp
 def unpermute_by_dest(y, topk_weights, dest_index):
     """``unpermute`` from a ``dest_index`` [>= T, k] int32 array instead of a scratch (no checks).

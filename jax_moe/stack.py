@@ -5,6 +5,12 @@ on the CUDA grouped GEMMs (the default SwiGLU on a GPU): the same forward as a `
 ``moe_layer``, differentiated as a whole by one ``jax.custom_vjp`` instead of by JAX's transpose
 of the scan.
 
+The activations the forward keeps for the backward ride in the gate/up weight gradient's own
+buffer when they fit (``saved_in_gradient``): layer l's slice of that stack is written only by
+layer l's backward, after it has read them. The step then holds no activation stack next to the
+gradients, as PyTorch's eager backward frees each layer's activations as it allocates its
+gradients.
+
 Why: the transpose of a scan collects each layer's parameter gradients as the loop's stacked
 outputs, and JAX starts those from zeros: a fill of every weight gradient (a fifth of a
 Qwen3-30B training step), and each layer's gradient is a buffer of its own, copied into the stack
@@ -17,6 +23,8 @@ gradient by its GEMM straight into its slice (``gemm.weight_grad_into``).
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +32,7 @@ from jax import lax
 
 from jax_moe import gemm, ops, routing
 from jax_moe.config import MoEConfig
-from jax_moe.experts import shared_experts, swiglu_grouped_forward, swiglu_grouped_grad
+from jax_moe.experts import shared_experts, swiglu_grouped_forward, swiglu_grouped_grad_but_gate_up
 from jax_moe.scratch import MoEScratch
 
 EXPERT_WEIGHTS = ("gate_up", "down")
@@ -55,14 +63,63 @@ def _split(layer_params: dict) -> tuple[dict, jax.Array, jax.Array]:
 
 
 def _saved_shapes(config: MoEConfig, num_tokens: int, ffn_size: int):
-    """Per layer, what the forward keeps for the backward: (h, hidden, out_rows, dest, offsets).
+    """Per layer, what the forward keeps for the backward: (h, hidden, dest, offsets).
 
     Not the permuted rows: the backward gathers them again from the recomputed norm of h
-    (``ops.rows_by_dest``), cheaper than copying [R, H] into the stack per layer, and [R, H] less
-    per layer at the step's peak (Qwen3-30B at T = 4096: 134 MB)."""
+    (``ops.rows_by_dest``). Not the expert outputs: the router weights' gradient comes from the
+    down projection's input gradient (``swiglu_grouped_grad_but_gate_up``'s row_weights). Each is
+    [R, H] less per layer at the step's peak (Qwen3-30B at T = 4096: 134 MB)."""
     num_rows, hidden, dtype = config.live_row_bound(num_tokens), config.hidden_size, config.dtype
-    return (((num_tokens, hidden), dtype), ((num_rows, 2 * ffn_size), dtype), ((num_rows, hidden), dtype),
+    return (((num_tokens, hidden), dtype), ((num_rows, 2 * ffn_size), dtype),
             ((num_tokens, config.top_k), jnp.int32), ((config.num_local_experts + 1,), jnp.int32))
+
+
+_ACTIVATIONS = 2  # the first two saved arrays (h, hidden), of config.dtype
+
+# Backends where the activations ride in the gate/up gradient (tests add "cpu"). XLA:GPU compiles
+# both loops without a copy of the stack (a GPU test checks the optimized HLO); XLA:CPU copies the
+# whole stack in each loop's body (jaxlib 0.10.2), so there they keep stacks of their own.
+PACK_BACKENDS = ("gpu",)
+
+
+def _packing(config: MoEConfig, num_tokens: int, gate_up_shape, gate_up_dtype):
+    """Where each saved activation starts in a layer's flattened gate/up gradient slice, or None.
+
+    None when they do not fit in it or the gradient's dtype is not the activations' (float32
+    master weights with bf16 activations): they then get stacks of their own.
+    """
+    shapes = _saved_shapes(config, num_tokens, gate_up_shape[-1] // 2)[:_ACTIVATIONS]
+    if jax.default_backend() not in PACK_BACKENDS or jnp.dtype(gate_up_dtype) != jnp.dtype(config.dtype):
+        return None
+    sizes = [math.prod(shape) for shape, _ in shapes]
+    if sum(sizes) > math.prod(gate_up_shape[1:]):
+        return None
+    return tuple(itertools.accumulate([0] + sizes[:-1]))
+
+
+def saved_in_gradient(config: MoEConfig, num_tokens: int, gate_up_shape, gate_up_dtype) -> bool:
+    """Whether ``grouped_stack``'s backward finds the saved activations in the gate/up gradient.
+
+    True when a layer's input [T, H] and gate/up product [R, 2F] (R = ``live_row_bound(T)``) fit
+    in one layer's gate/up gradient [El, H, 2F] of the activations' dtype: about T <= El * H / k
+    (Qwen3-30B-A3B: T <= 28,000; DeepSeek-V3: 200,000).
+    """
+    return _packing(config, num_tokens, gate_up_shape, gate_up_dtype) is not None
+
+
+def _pack(carrier, layer, values, starts):
+    """Writes ``values`` flattened at ``starts`` of slice ``layer`` of ``carrier`` [L, ...]."""
+    flat = carrier.reshape(carrier.shape[0], -1)
+    for value, start in zip(values, starts):
+        flat = lax.dynamic_update_slice(flat, value.reshape(1, -1).astype(flat.dtype), (layer, start))
+    return flat.reshape(carrier.shape)
+
+
+def _unpack(carrier, layer, shapes, starts):
+    """``_pack``'s inverse: the arrays of ``shapes`` [(shape, dtype)] read from slice ``layer``."""
+    flat = carrier.reshape(carrier.shape[0], -1)
+    return tuple(lax.dynamic_slice(flat, (layer, start), (1, math.prod(shape))).reshape(shape).astype(dtype)
+                 for (shape, dtype), start in zip(shapes, starts))
 
 
 def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: bool):
@@ -84,7 +141,7 @@ def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: 
         y = y + shared
     saved = None
     if keep:
-        saved = (h, hidden, out_rows, scratch.dest_index[:num_tokens], offsets)
+        saved = (h, hidden, scratch.dest_index[:num_tokens], offsets)
     return h + y, scratch.replace(workspace=workspace), logits, ids, saved
 
 
@@ -94,20 +151,31 @@ def _set_layer(stacks, layer, values):
 
 
 def _forward(params, tokens, scratch: MoEScratch, unroll, with_aux: bool, keep: bool):
-    """The scanned forward: ``(out, scratch, aux or None, saved stacks or None)``."""
+    """The scanned forward: ``(out, scratch, aux or None, saved or None)``.
+
+    ``saved`` (``keep``): ``(carrier, stacks)``, the gate/up-gradient-shaped buffer holding the
+    activations (None when they do not fit, ``_packing``) and the stacks of what it does not hold.
+    """
     config = scratch.config
     num_layers = params["router"].shape[0]
     saved = None
     if keep:
         shapes = _saved_shapes(config, tokens.shape[0], params["down"].shape[-2])
-        saved = tuple(ops.uninitialized((num_layers,) + shape, dtype) for shape, dtype in shapes)
+        starts = _packing(config, tokens.shape[0], params["gate_up"].shape, params["gate_up"].dtype)
+        carrier = None if starts is None else ops.uninitialized(params["gate_up"].shape, params["gate_up"].dtype)
+        stacked = shapes if starts is None else shapes[_ACTIVATIONS:]
+        saved = (carrier, tuple(ops.uninitialized((num_layers,) + shape, dtype) for shape, dtype in stacked))
 
     def body(carry, xs):
         h, s, saved = carry
         layer, layer_params = xs
         h, s, logits, ids, layer_saved = _layer_forward(layer_params, h, s, keep)
         if keep:
-            saved = _set_layer(saved, layer, layer_saved)
+            carrier, stacks = saved
+            if carrier is not None:
+                carrier = _pack(carrier, layer, layer_saved[:_ACTIVATIONS], starts)
+                layer_saved = layer_saved[_ACTIVATIONS:]
+            saved = (carrier, _set_layer(stacks, layer, layer_saved))
         aux = {"router_logits": logits, "expert_counts": routing.expert_counts(ids, config.num_experts)}
         return (h, s, saved), (aux if with_aux else None)
 
@@ -128,35 +196,56 @@ def _stack_fwd(params, tokens, scratch, config, unroll, with_aux):
 
 
 def _stack_bwd(config, unroll, with_aux, residuals, cotangents):
-    params, saved = residuals
+    params, (carrier, stacks) = residuals
     d_out, _, d_aux = cotangents
     num_layers = params["router"].shape[0]
     num_tokens = d_out.shape[0]
     num_rows = config.live_row_bound(num_tokens)
     tile = gemm.pick_tile(num_rows, config.num_local_experts, config.group_row_bound(num_tokens))
-    grads = {name: ops.uninitialized(a.shape, a.dtype) for name, a in params.items()}
+    grads = {name: ops.uninitialized(a.shape, a.dtype) for name, a in params.items() if name != "gate_up"}
+    # The gate/up gradient starts as the buffer holding the activations: each layer's slice is
+    # read below before that layer's weight-gradient GEMM overwrites it.
+    grads["gate_up"] = ops.uninitialized(params["gate_up"].shape, params["gate_up"].dtype) if carrier is None \
+        else carrier
+    shapes = _saved_shapes(config, num_tokens, params["down"].shape[-2])
+    starts = _packing(config, num_tokens, params["gate_up"].shape, params["gate_up"].dtype)
     d_logits = d_aux["router_logits"] if with_aux else None
 
     def body(carry, xs):
         d_h, grads = carry
-        layer, layer_params, (h, hidden, out_rows, dest, offsets), d_logits_layer = xs
+        layer, layer_params, layer_stacks, d_logits_layer = xs
+        if carrier is None:
+            h, hidden, dest, offsets = layer_stacks
+        else:
+            h, hidden = _unpack(grads["gate_up"], layer, shapes[:_ACTIVATIONS], starts)
+            dest, offsets = layer_stacks
         small, gate_up, down = _split(layer_params)
         (n, weights, logits, shared), dense_vjp, _ = jax.vjp(lambda h, small: _dense(small, h, config), h, small,
                                                              has_aux=True)
         rows = ops.rows_by_dest(n, dest, num_rows)
-        # d y = d h: the residual connection passes it on unchanged and into the layer's output.
-        d_out_rows, d_weights = ops.unpermute_grad(d_h, out_rows, weights, dest)
-        d_rows, d_gate_up, d_down = swiglu_grouped_grad(
-            rows, hidden, offsets, gate_up.astype(config.dtype), down.astype(config.dtype), d_out_rows, num_rows,
-            tile, stacks=(grads["gate_up"], grads["down"]), layer=layer)
+        # y = h + sum_j w[t, j] out[dest[t, j]] (+ shared): d y = d h reaches each route's output
+        # rows unweighted here; the experts' backward applies the weights and gives their gradient.
+        d_h_rows = ops.rows_by_dest(d_h.astype(config.dtype), dest, num_rows)
+        d_rows, d_hidden, d_down, d_row_weights, workspace = swiglu_grouped_grad_but_gate_up(
+            hidden, offsets, gate_up.astype(config.dtype), down.astype(config.dtype), d_h_rows, num_rows, tile,
+            grads["down"], layer, row_weights=ops.routes_by_dest(weights.astype(jnp.float32), dest, num_rows))
+        d_weights = ops.routes_from_rows(d_row_weights, dest).astype(weights.dtype)
         d_n = ops.permute_grad(d_rows, dest)
         d_logits_layer = jnp.zeros_like(logits) if d_logits_layer is None else d_logits_layer
         d_h_dense, d_small = dense_vjp((d_n, d_weights, d_logits_layer, None if shared is None else d_h))
+        gate_up_stack = grads["gate_up"]
+        if carrier is not None:
+            # Everything that reads this layer's activations feeds one of these values: the barrier
+            # orders all those reads before the GEMM below overwrites the slice holding them (else
+            # XLA would copy the whole stack to keep the late readers, the norm's backward, valid).
+            d_h_dense, d_small, d_down, rows, d_hidden, gate_up_stack = lax.optimization_barrier(
+                (d_h_dense, d_small, d_down, rows, d_hidden, gate_up_stack))
+        d_gate_up, _ = gemm.weight_grad_into(rows, d_hidden, offsets, workspace, gate_up_stack, layer)
         small_grads = _set_layer({name: grads[name] for name in d_small}, layer, d_small)
         grads = {**small_grads, "gate_up": d_gate_up, "down": d_down}
         return (d_h + d_h_dense, grads), None
 
-    xs = (jnp.arange(num_layers, dtype=jnp.int32), params, saved, d_logits)
+    xs = (jnp.arange(num_layers, dtype=jnp.int32), params, stacks, d_logits)
     (d_tokens, grads), _ = lax.scan(body, (d_out, grads), xs, reverse=True, unroll=unroll)
     return grads, d_tokens, None
 
@@ -178,10 +267,12 @@ def grouped_stack(params: dict, tokens: jax.Array, scratch: MoEScratch, *, unrol
 
     Returns:
       ``(out [T, H], scratch, aux or None)``, equal to a ``lax.scan`` of ``moe_layer`` with the
-      grouped-GEMM experts. Its backward saves per layer the layer's input, the gate/up product,
-      the expert outputs and the routes' rows, recomputes the router, the routing, the shared
-      expert and the permuted rows (one gather) from the layer's input, and
-      writes every parameter gradient into its slice of a stacked buffer that nothing fills first.
+      grouped-GEMM experts. Its backward saves per layer the layer's input and the gate/up
+      product (inside the gate/up gradient's buffer on a GPU when they fit: ``saved_in_gradient``)
+      and the routes' rows and groups; recomputes the router, the routing, the shared expert and
+      the permuted rows (one gather) from the layer's input; takes the router weights' gradient
+      from the down projection's input gradient (no expert outputs kept); and writes every
+      parameter gradient into its slice of a stacked buffer that nothing fills first.
     """
     out, scratch, aux = _stack(params, tokens, lax.stop_gradient(scratch), scratch.config, unroll, with_aux)
     return out, lax.stop_gradient(scratch), aux

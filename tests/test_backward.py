@@ -114,6 +114,22 @@ def test_swiglu_grouped_backward_equals_autodiff_of_swiglu_experts(align, num_to
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
 
 
+def test_saved_in_gradient_bounds():
+    """The activations go in the gate/up gradient exactly while T*H + R*2F <= El*H*2F, and never
+    into a gradient of another dtype."""
+    from jax_moe import stack
+    config = MoEConfig(num_experts=2, top_k=2, hidden_size=32, max_tokens=64, dtype=jnp.float32)
+    shape = (3, 2, 32, 48)  # El * H * 2F = 3072 per layer; per token: H + k * 2F = 128
+
+    def packed(tokens, dtype=jnp.float32, backends=("cpu", "gpu")):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(stack, "PACK_BACKENDS", backends)
+            return stack.saved_in_gradient(config, tokens, shape, dtype)
+    assert packed(24) and not packed(25)
+    assert not packed(24, jnp.bfloat16)
+    assert not packed(24, backends=())
+
+
 # The whole stack's hand-written backward (jax_moe.stack.grouped_stack) on CPU, its GEMMs on the
 # ragged_dot fallback: float32, so it must equal JAX's autodiff of the scan of moe_layer with the
 # same grouped experts to rounding. Each case: (config fields, shared width, shared gate, router
@@ -128,13 +144,19 @@ GROUPED_STACK_CASES = {
 }
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["in-gradient", "own-stacks"])
 @pytest.mark.parametrize("case", list(GROUPED_STACK_CASES))
-def test_grouped_stack_backward_equals_autodiff_of_the_scan(case, monkeypatch):
-    from jax_moe import experts, layers, routing
+def test_grouped_stack_backward_equals_autodiff_of_the_scan(case, packed, monkeypatch):
+    from jax_moe import experts, layers, routing, stack
     fields, shared, shared_gate, router_bias, token_shape, unroll = GROUPED_STACK_CASES[case]
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=32, max_tokens=20, dtype=jnp.float32, **fields)
     params = jax_moe.init_moe_params(jax.random.key(5), config, 3, 24, shared_ffn_size=shared,
                                      shared_gate=shared_gate, router_bias=router_bias)
+    # Where the forward keeps the activations: in the gate/up gradient's buffer (the GPU default,
+    # made to happen on CPU here) or in stacks of their own.
+    monkeypatch.setattr(stack, "PACK_BACKENDS", ("cpu", "gpu") if packed else ())
+    num_tokens = int(np.prod(token_shape))
+    assert stack.saved_in_gradient(config, num_tokens, params["gate_up"].shape, params["gate_up"].dtype) == packed
     if router_bias:  # a bias that changes the choices (it gets no gradient either way)
         params["router_bias"] = jax.random.normal(jax.random.key(6), params["router_bias"].shape) * 0.3
     x = jax.random.normal(jax.random.key(7), token_shape + (32,), jnp.float32)
@@ -359,6 +381,32 @@ def test_gpu_stack_gradient_edge_cases(case):
 
 
 @pytest.mark.gpu
+def test_gpu_activations_in_the_gradient_save_their_bytes(monkeypatch):
+    """The step's memory drops by the activations the forward keeps when they ride in the gate/up
+    gradient: per layer the input [T, H] and the gate/up product [R, 2F]."""
+    from jax_moe import stack
+    from jax_moe.demo import memory_stats
+    m = MODELS["qwen3_30b"]
+    layers, num_tokens = 4, 1024
+    config = m.config(num_tokens)
+    params = jax_moe.init_moe_params(jax.random.key(0), config, layers, m.ffn_size)
+    x = jax.random.normal(jax.random.key(1), (num_tokens, m.hidden_size)).astype(BF16)
+
+    def loss(p, x, s):
+        y, s = jax_moe.moe_stack(p, x, s)
+        return jnp.mean(jnp.square(y.astype(jnp.float32))), s
+
+    def total_bytes(backends):
+        monkeypatch.setattr(stack, "PACK_BACKENDS", backends)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), donate_argnums=2)
+        return memory_stats(step.lower(params, x, init_scratch(config)).compile())["total_bytes"]
+    rows = config.live_row_bound(num_tokens)
+    activations = layers * 2 * (num_tokens * m.hidden_size + rows * 2 * m.ffn_size)
+    saved = total_bytes(()) - total_bytes(("gpu",))
+    assert saved >= 0.9 * activations, (saved, activations)
+
+
+@pytest.mark.gpu
 def test_gpu_training_step_runs_native_backward_without_float32_weight_copies():
     m = MODELS["qwen3_30b"]
     layers, num_tokens = 2, 512
@@ -380,10 +428,11 @@ def test_gpu_training_step_runs_native_backward_without_float32_weight_copies():
             dims = ",".join(map(str, shape))
             assert not re.search(rf"f32\[{dims}\]", hlo), f"a float32 copy of {name} {shape} in the training step"
     # Two grouped GEMMs in the forward loop body; in the backward's, two input gradients and two
-    # weight gradients written into the stacked gradient; unpermute's native backward.
+    # weight gradients written into the stacked gradient. No unpermute backward: the stack keeps no
+    # expert outputs, the router weights' gradient comes from the down projection's input gradient.
     assert hlo.count('custom_call_target="jax_moe_grouped_matmul"') >= 4
     assert hlo.count('custom_call_target="jax_moe_weight_grad_into"') >= 2
-    assert 'custom_call_target="jax_moe_unpermute_grad"' in hlo
+    assert 'custom_call_target="jax_moe_unpermute_grad"' not in hlo
     # The stacked weight gradients start unfilled (jax_moe.stack): no broadcast fills an array of
     # the stacked weights' shape.
     assert 'custom_call_target="jax_moe_uninitialized"' in hlo
@@ -391,6 +440,15 @@ def test_gpu_training_step_runs_native_backward_without_float32_weight_copies():
         dims = ",".join(map(str, params[name].shape))
         fills = [line for line in hlo.splitlines() if f"bf16[{dims}]" in line and " broadcast(" in line]
         assert not fills, f"the stacked {name} gradient is filled: {fills[0][:200]}"
+    # The activations ride in the gate/up gradient (jax_moe.stack.saved_in_gradient), and XLA keeps
+    # the backward's reads of each layer's slice before the GEMM that overwrites it without
+    # copying the stack (as the whole [L, El, H, 2F] array or the flat view the forward writes).
+    from jax_moe import stack
+    assert stack.saved_in_gradient(config, num_tokens, params["gate_up"].shape, params["gate_up"].dtype)
+    gate_up = params["gate_up"].shape
+    for dims in (",".join(map(str, gate_up)), f"{gate_up[0]},{int(np.prod(gate_up[1:]))}"):
+        copies = [line for line in hlo.splitlines() if f"bf16[{dims}]" in line and " copy(" in line]
+        assert not copies, f"the gate/up gradient stack is copied: {copies[0][:200]}"
     # It runs, and its gradients are finite.
     (value, _), grads = step(params, x, init_scratch(config))
     assert np.isfinite(float(value))
