@@ -380,45 +380,43 @@ def test_gpu_stack_gradient_edge_cases(case):
     _assert_within_bf16_tolerance(params, x, config, unroll, case)
 
 
+def _qwen3_training_step(layers, num_tokens):
+    """Qwen3-30B-A3B's layers as a donated training step: ``(config, params, x, step)``."""
+    m = MODELS["qwen3_30b"]
+    config = m.config(num_tokens)
+    params = jax_moe.init_moe_params(jax.random.key(0), config, layers, m.ffn_size)
+    x = jax.random.normal(jax.random.key(1), (num_tokens, m.hidden_size)).astype(BF16)
+
+    def loss(p, x, s):
+        y, s = jax_moe.moe_stack(p, x, s)
+        return jnp.mean(jnp.square(y.astype(jnp.float32))), s
+    return config, params, x, jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), donate_argnums=2)
+
+
 @pytest.mark.gpu
 def test_gpu_activations_in_the_gradient_save_their_bytes(monkeypatch):
     """The step's memory drops by the activations the forward keeps when they ride in the gate/up
     gradient: per layer the input [T, H] and the gate/up product [R, 2F]."""
     from jax_moe import stack
     from jax_moe.demo import memory_stats
-    m = MODELS["qwen3_30b"]
     layers, num_tokens = 4, 1024
-    config = m.config(num_tokens)
-    params = jax_moe.init_moe_params(jax.random.key(0), config, layers, m.ffn_size)
-    x = jax.random.normal(jax.random.key(1), (num_tokens, m.hidden_size)).astype(BF16)
-
-    def loss(p, x, s):
-        y, s = jax_moe.moe_stack(p, x, s)
-        return jnp.mean(jnp.square(y.astype(jnp.float32))), s
 
     def total_bytes(backends):
         monkeypatch.setattr(stack, "PACK_BACKENDS", backends)
-        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), donate_argnums=2)
+        config, params, x, step = _qwen3_training_step(layers, num_tokens)
         return memory_stats(step.lower(params, x, init_scratch(config)).compile())["total_bytes"]
+    config, params, _, _ = _qwen3_training_step(layers, num_tokens)
     rows = config.live_row_bound(num_tokens)
-    activations = layers * 2 * (num_tokens * m.hidden_size + rows * 2 * m.ffn_size)
+    ffn = params["down"].shape[-2]
+    activations = layers * 2 * (num_tokens * config.hidden_size + rows * 2 * ffn)
     saved = total_bytes(()) - total_bytes(("gpu",))
     assert saved >= 0.9 * activations, (saved, activations)
 
 
 @pytest.mark.gpu
 def test_gpu_training_step_runs_native_backward_without_float32_weight_copies():
-    m = MODELS["qwen3_30b"]
     layers, num_tokens = 2, 512
-    config = m.config(num_tokens)
-    params = jax_moe.init_moe_params(jax.random.key(0), config, layers, m.ffn_size)
-    x = jax.random.normal(jax.random.key(1), (num_tokens, m.hidden_size)).astype(BF16)
-
-    def loss(p, x, s):
-        y, s = jax_moe.moe_stack(p, x, s)
-        return jnp.mean(jnp.square(y.astype(jnp.float32))), s
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), donate_argnums=2)
+    config, params, x, step = _qwen3_training_step(layers, num_tokens)
     hlo = step.lower(params, x, init_scratch(config)).compile().as_text()
     # No float32 array of an expert weight's shape at all, per layer or stacked. The router [H, E]
     # is converted per layer for its input gradient (float32 logits' cotangent times router^T:
