@@ -5,8 +5,8 @@ on the CUDA grouped GEMMs (the default SwiGLU on a GPU): the same forward as a `
 ``moe_layer``, differentiated as a whole by one ``jax.custom_vjp`` instead of by JAX's transpose
 of the scan.
 
-The activations the forward keeps for the backward ride in the gate/up weight gradient's own
-buffer when they fit (``saved_in_gradient``): layer l's slice of that stack is written only by
+On a GPU the activations the forward keeps for the backward ride in the gate/up weight
+gradient's own buffer when they fit (``saved_in_gradient``): layer l's slice of that stack is written only by
 layer l's backward, after it has read them. The step then holds no activation stack next to the
 gradients, as PyTorch's eager backward frees each layer's activations as it allocates its
 gradients.
