@@ -143,29 +143,28 @@ def invert_dest(dest: jax.Array, num_rows: int) -> jax.Array:
     return jnp.full((num_rows,), -1, jnp.int32).at[rows].set(flat, mode="drop")
 
 
-def rows_by_dest(x: jax.Array, dest: jax.Array, num_rows: int) -> jax.Array:
-    """permute's rows again, from x [T, H] and that call's dest [T, k] (no checks): [num_rows, H].
+def rows_by_src(x: jax.Array, src: jax.Array, top_k: int) -> jax.Array:
+    """permute's rows again: [num_rows, H] from x [T, H] and the rows' routes src [num_rows]
+    (``invert_dest`` of that call's dest [T, k]; no checks).
 
-    Row dest[t, j] is x[t]; every row no route points at (align padding, rows past the live ones)
-    is zero. Lets a backward recompute the rows instead of keeping them: one gather.
+    Row r is x[src[r] // k]; every row no route points at (src -1: align padding, rows past the
+    live ones) is zero. Lets a backward recompute the rows instead of keeping them: one gather.
     """
-    src = invert_dest(dest, num_rows)
-    token = jnp.maximum(src, 0) // dest.shape[1]
+    token = jnp.maximum(src, 0) // top_k
     return jnp.where((src >= 0)[:, None], x[token], jnp.zeros((), x.dtype))
 
 
-def routes_by_dest(values: jax.Array, dest: jax.Array, num_rows: int) -> jax.Array:
-    """Each row's route value: [num_rows] from values [T, k] and dest [T, k] (no checks).
+def routes_by_src(values: jax.Array, src: jax.Array) -> jax.Array:
+    """Each row's route value: [num_rows] from values [T, k] and src [num_rows] as ``rows_by_src``'s.
 
-    Row dest[t, j] gets values[t, j]; rows no route points at get 0. ``rows_by_dest`` for one
-    number per route (the router weights of the rows, for a backward that keeps no scratch).
+    Row r gets values.flat[src[r]]; rows no route points at get 0 (the router weights of the rows,
+    for a backward that keeps no scratch).
     """
-    src = invert_dest(dest, num_rows)
     return jnp.where(src >= 0, values.reshape(-1)[jnp.maximum(src, 0)], jnp.zeros((), values.dtype))
 
 
 def routes_from_rows(row_values: jax.Array, dest: jax.Array) -> jax.Array:
-    """``routes_by_dest``'s transpose: [T, k] route (t, j) gets row_values[dest[t, j]], 0 if dropped."""
+    """``routes_by_src``'s transpose: [T, k] route (t, j) gets row_values[dest[t, j]], 0 if dropped."""
     return jnp.where(dest >= 0, row_values[jnp.maximum(dest, 0)], jnp.zeros((), row_values.dtype))
 
 

@@ -6,10 +6,10 @@ on the CUDA grouped GEMMs (the default SwiGLU on a GPU): the same forward as a `
 of the scan.
 
 On a GPU the activations the forward keeps for the backward ride in the gate/up weight
-gradient's own buffer when they fit (``saved_in_gradient``): layer l's slice of that stack is written only by
-layer l's backward, after it has read them. The step then holds no activation stack next to the
-gradients, as PyTorch's eager backward frees each layer's activations as it allocates its
-gradients.
+gradient's own buffer when they fit (``saved_in_gradient``): layer l's slice of that stack is
+written only by layer l's backward, after it has read them. The step then holds no activation stack
+next to the gradients, as PyTorch's eager backward frees each layer's activations as it allocates
+its gradients.
 
 Why: the transpose of a scan collects each layer's parameter gradients as the loop's stacked
 outputs, and JAX starts those from zeros: a fill of every weight gradient (a fifth of a
@@ -66,7 +66,7 @@ def _saved_shapes(config: MoEConfig, num_tokens: int, ffn_size: int):
     """Per layer, what the forward keeps for the backward: (h, hidden, dest, offsets).
 
     Not the permuted rows: the backward gathers them again from the recomputed norm of h
-    (``ops.rows_by_dest``). Not the expert outputs: the router weights' gradient comes from the
+    (``ops.rows_by_src``). Not the expert outputs: the router weights' gradient comes from the
     down projection's input gradient (``swiglu_grouped_grad_but_gate_up``'s row_weights). Each is
     [R, H] less per layer at the step's peak (Qwen3-30B at T = 4096: 134 MB)."""
     num_rows, hidden, dtype = config.live_row_bound(num_tokens), config.hidden_size, config.dtype
@@ -222,13 +222,14 @@ def _stack_bwd(config, unroll, with_aux, residuals, cotangents):
         small, gate_up, down = _split(layer_params)
         (n, weights, logits, shared), dense_vjp, _ = jax.vjp(lambda h, small: _dense(small, h, config), h, small,
                                                              has_aux=True)
-        rows = ops.rows_by_dest(n, dest, num_rows)
+        src = ops.invert_dest(dest, num_rows)  # each row's route, for the three gathers below
+        rows = ops.rows_by_src(n, src, config.top_k)
         # y = h + sum_j w[t, j] out[dest[t, j]] (+ shared): d y = d h reaches each route's output
         # rows unweighted here; the experts' backward applies the weights and gives their gradient.
-        d_h_rows = ops.rows_by_dest(d_h.astype(config.dtype), dest, num_rows)
+        d_h_rows = ops.rows_by_src(d_h.astype(config.dtype), src, config.top_k)
         d_rows, d_hidden, d_down, d_row_weights, workspace = swiglu_grouped_grad_but_gate_up(
             hidden, offsets, gate_up.astype(config.dtype), down.astype(config.dtype), d_h_rows, num_rows, tile,
-            grads["down"], layer, row_weights=ops.routes_by_dest(weights.astype(jnp.float32), dest, num_rows))
+            grads["down"], layer, row_weights=ops.routes_by_src(weights.astype(jnp.float32), src))
         d_weights = ops.routes_from_rows(d_row_weights, dest).astype(weights.dtype)
         d_n = ops.permute_grad(d_rows, dest)
         d_logits_layer = jnp.zeros_like(logits) if d_logits_layer is None else d_logits_layer
