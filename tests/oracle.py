@@ -137,6 +137,16 @@ def assert_bitwise_equal(actual, expected, what: str = "") -> None:
             f"got {actual[first]!r} expected {expected[first]!r}")
 
 
+def assert_zero_past_groups(out, expert_offsets, live_nonzero: bool = True) -> None:
+    """A grouped product's rows past its last group are exactly zero (no group covers them), and
+    (``live_nonzero``) its live rows are not all zero. out: [rows, N]; expert_offsets: [El + 1]."""
+    out = np.asarray(out)
+    live = min(int(expert_offsets[-1]), out.shape[0])
+    assert not out[live:].any(), "rows in no group must be zero"
+    if live_nonzero:
+        assert np.abs(out[:live]).sum() > 0
+
+
 def assert_scratch_matches(scratch, expected: Permuted, T: int) -> None:
     """Compares a permute's scratch with the oracle, bitwise, where the contract specifies it.
 
