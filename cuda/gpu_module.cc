@@ -21,6 +21,7 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
     handlers["jax_moe_weight_grad_into"] = Capsule(JaxMoeWeightGradIntoCuda);
     handlers["jax_moe_decode_matmul"] = Capsule(JaxMoeDecodeMatmulCuda);
     handlers["jax_moe_decode_matmul_fp8"] = Capsule(JaxMoeDecodeMatmulFp8Cuda);
+    handlers["jax_moe_swiglu_backward"] = Capsule(JaxMoeSwigluBackwardCuda);
     handlers["jax_moe_bench_noop"] = Capsule(JaxMoeNoopCuda);
     handlers["jax_moe_bench_copy"] = Capsule(JaxMoeCopyCuda);
     handlers["jax_moe_uninitialized"] = Capsule(JaxMoeUninitializedCuda);

@@ -10,6 +10,7 @@
 #include "ffi_shapes.h"
 #include "gpu_kernels.h"
 #include "grouped_gemm.h"
+#include "swiglu_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -154,7 +155,8 @@ ffi::Error GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
   const auto bd = b.dimensions();
   const auto od = out->dimensions();
   if (a.element_type() != ffi::BF16 || b.element_type() != ffi::BF16 || out->element_type() != ffi::BF16 ||
-      (tile != static_cast<int64_t>(GemmTile::kSmallM) && tile != static_cast<int64_t>(GemmTile::kLargeM)))
+      (tile != static_cast<int64_t>(GemmTile::kSmallM) && tile != static_cast<int64_t>(GemmTile::kMediumM) &&
+       tile != static_cast<int64_t>(GemmTile::kLargeM)))
     return InvalidArgument("grouped_matmul: expected bf16 operands and a known tile");
   GroupedGemmArgs args;
   args.op = static_cast<GemmOp>(op);
@@ -261,6 +263,25 @@ ffi::Error DecodeMatmulFp8Impl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::An
   return RunDecodeMatmul(stream, rows, weights, scale_inv.typed_data(), expert_offsets, out, gated, rows_per_pass);
 }
 
+ffi::Error SwigluBackwardImpl(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::AnyBuffer d_activated,
+                              ffi::Buffer<ffi::F32> row_weights, ffi::Result<ffi::AnyBuffer> activated,
+                              ffi::Result<ffi::AnyBuffer> d_hidden, ffi::Result<ffi::Buffer<ffi::F32>> d_row_weights,
+                              bool weighted) {
+  const auto hd = hidden.dimensions();
+  const auto dd = d_activated.dimensions();
+  if (hd.size() != 2 || dd.size() != 2 || hd[0] != dd[0] || hd[1] != 2 * dd[1] || dd[1] % 8 != 0 ||
+      hidden.element_type() != ffi::BF16 || d_activated.element_type() != ffi::BF16 ||
+      activated->element_type() != ffi::BF16 || d_hidden->element_type() != ffi::BF16 ||
+      activated->element_count() != d_activated.element_count() || d_hidden->element_count() != hidden.element_count() ||
+      (weighted && (static_cast<int64_t>(row_weights.element_count()) != hd[0] ||
+                    static_cast<int64_t>(d_row_weights->element_count()) != hd[0])))
+    return InvalidArgument("swiglu_backward: expected bf16 hidden [R, 2F], d_activated [R, F] (F a multiple of 8), "
+                           "and row_weights [R] when weighted");
+  SwigluBackwardArgs args{hidden.untyped_data(), d_activated.untyped_data(), weighted ? row_weights.typed_data() : nullptr,
+                          activated->untyped_data(), d_hidden->untyped_data(), d_row_weights->typed_data(), hd[0], dd[1]};
+  return CudaStatus(LaunchSwigluBackward(args, stream), "jax_moe swiglu_backward");
+}
+
 // Benchmark floor and ceiling: an empty call on a donated buffer, and a device-to-device copy.
 ffi::Error NoopImpl(cudaStream_t, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
 
@@ -339,6 +360,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeMatmulFp8Cuda, jax_moe::DecodeMatmulFp
                                   .Ret<ffi::AnyBuffer>()               // out, bf16
                                   .Attr<bool>("gated")                 // silu(gate) * up epilogue
                                   .Attr<int64_t>("rows_per_pass"),     // 1, 2, 4 or 8
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeSwigluBackwardCuda, jax_moe::SwigluBackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // hidden [R, 2F], bf16
+                                  .Arg<ffi::AnyBuffer>()               // d_activated [R, F], bf16
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // row_weights [R] ([1] unweighted)
+                                  .Ret<ffi::AnyBuffer>()               // activated [R, F], bf16
+                                  .Ret<ffi::AnyBuffer>()               // d_hidden [R, 2F], bf16
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // d_row_weights [R] ([1] unweighted)
+                                  .Attr<bool>("weighted"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeNoopCuda, jax_moe::NoopImpl,

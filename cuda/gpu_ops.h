@@ -12,6 +12,7 @@ XLA_FFI_Error* JaxMoeGroupedMatmulCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeWeightGradIntoCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeMatmulCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeMatmulFp8Cuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeSwigluBackwardCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeNoopCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeCopyCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUninitializedCuda(XLA_FFI_CallFrame* call_frame);

@@ -14,8 +14,10 @@ namespace gemm {
   cudaError_t Run##NAME(const GroupedGemmArgs& args, int sm_count, cudaStream_t stream); \
   size_t NAME##WorkspaceBytes(int64_t num_groups);
 JAX_MOE_DECLARE_GEMM_CONFIG(ForwardSmallM)
+JAX_MOE_DECLARE_GEMM_CONFIG(ForwardMediumM)
 JAX_MOE_DECLARE_GEMM_CONFIG(ForwardLargeM)
 JAX_MOE_DECLARE_GEMM_CONFIG(InputGradSmallM)
+JAX_MOE_DECLARE_GEMM_CONFIG(InputGradMediumM)
 JAX_MOE_DECLARE_GEMM_CONFIG(InputGradLargeM)
 JAX_MOE_DECLARE_GEMM_CONFIG(WeightGrad)
 #undef JAX_MOE_DECLARE_GEMM_CONFIG
@@ -155,8 +157,9 @@ cudaError_t LaunchSetup(const GroupedGemmArgs& args, cudaStream_t stream) {
 size_t GroupedGemmWorkspaceBytes(int64_t num_groups) {
   using namespace gemm;
   return kWorkspaceAlignSlack + WorkspaceLayout(num_groups).cutlass +
-         std::max({ForwardSmallMWorkspaceBytes(num_groups), ForwardLargeMWorkspaceBytes(num_groups),
-                   InputGradSmallMWorkspaceBytes(num_groups), InputGradLargeMWorkspaceBytes(num_groups),
+         std::max({ForwardSmallMWorkspaceBytes(num_groups), ForwardMediumMWorkspaceBytes(num_groups),
+                   ForwardLargeMWorkspaceBytes(num_groups), InputGradSmallMWorkspaceBytes(num_groups),
+                   InputGradMediumMWorkspaceBytes(num_groups), InputGradLargeMWorkspaceBytes(num_groups),
                    WeightGradWorkspaceBytes(num_groups)});
 }
 
@@ -168,17 +171,32 @@ cudaError_t LaunchGroupedGemm(const GroupedGemmArgs& args, cudaStream_t stream) 
     return cudaErrorInvalidValue;
   const int sm_count = SmCount();
   if (sm_count <= 0) return cudaErrorInvalidDevice;
-  const bool large = args.tile == GemmTile::kLargeM;
+  if (args.tile != GemmTile::kSmallM && args.tile != GemmTile::kMediumM && args.tile != GemmTile::kLargeM)
+    return cudaErrorInvalidValue;
   cudaError_t status = cudaSuccess;
   switch (args.op) {
     case GemmOp::kForward:
       status = LaunchSetup<GemmOp::kForward>(args, stream);
       if (status != cudaSuccess) return status;
-      return large ? RunForwardLargeM(args, sm_count, stream) : RunForwardSmallM(args, sm_count, stream);
+      switch (args.tile) {
+        case GemmTile::kLargeM:
+          return RunForwardLargeM(args, sm_count, stream);
+        case GemmTile::kMediumM:
+          return RunForwardMediumM(args, sm_count, stream);
+        default:
+          return RunForwardSmallM(args, sm_count, stream);
+      }
     case GemmOp::kInputGrad:
       status = LaunchSetup<GemmOp::kInputGrad>(args, stream);
       if (status != cudaSuccess) return status;
-      return large ? RunInputGradLargeM(args, sm_count, stream) : RunInputGradSmallM(args, sm_count, stream);
+      switch (args.tile) {
+        case GemmTile::kLargeM:
+          return RunInputGradLargeM(args, sm_count, stream);
+        case GemmTile::kMediumM:
+          return RunInputGradMediumM(args, sm_count, stream);
+        default:
+          return RunInputGradSmallM(args, sm_count, stream);
+      }
     case GemmOp::kWeightGrad:
       status = LaunchSetup<GemmOp::kWeightGrad>(args, stream);
       if (status != cudaSuccess) return status;

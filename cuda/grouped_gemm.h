@@ -25,7 +25,9 @@ constexpr int64_t kGemmAlignElements = 8;
 // Tile configurations, chosen at trace time from the expected rows per expert.
 enum class GemmTile : int64_t {
   kSmallM = 0,  // 64 x 128 tiles, ping-pong warp groups: decode, few rows per expert
-  kLargeM = 1,  // 128 x 256 tiles, cooperative, 1x2 cluster: prefill and training
+  kLargeM = 1,  // 128 x 256 tiles, cooperative, 1x2 cluster: many rows per expert
+  // (2 is jax_moe.gemm.DECODE_TILE, a kernel of its own, never passed here)
+  kMediumM = 3,  // 64 x 256 tiles, ping-pong warp groups: tens to hundreds of rows per expert
 };
 
 // Which product of the expert layer (see the top of this file).

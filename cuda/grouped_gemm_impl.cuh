@@ -111,12 +111,19 @@ struct Config {
 };
 
 using SmallTile = cute::Shape<cute::_64, cute::_128, cute::_64>;
+using MediumTile = cute::Shape<cute::_64, cute::_256, cute::_64>;
 using LargeTile = cute::Shape<cute::_128, cute::_256, cute::_64>;
 using NoCluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
 using PairCluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 template <GemmOp kOp>
 using SmallM = Config<kOp, SmallTile, NoCluster, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                       BuiltEpilogue<SmallTile, NoCluster, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>>;
+// Each warp group of the ping-pong kernel computes a whole 64 x 256 tile: the cooperative tile's
+// per-warp-group work with half its M granularity, so ragged groups of a few hundred rows waste
+// about half as many padded rows (measured in notebooks/results/gemm_tiles_h200.txt).
+template <GemmOp kOp>
+using MediumM = Config<kOp, MediumTile, NoCluster, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                       BuiltEpilogue<MediumTile, NoCluster, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>>;
 template <GemmOp kOp>
 using LargeM = Config<kOp, LargeTile, PairCluster, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
                       BuiltEpilogue<LargeTile, PairCluster, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>>;

@@ -14,6 +14,7 @@ GROUPED_MATMUL_TARGET = "jax_moe_grouped_matmul"  # CUDA only
 WEIGHT_GRAD_INTO_TARGET = "jax_moe_weight_grad_into"  # CUDA only
 DECODE_MATMUL_TARGET = "jax_moe_decode_matmul"  # CUDA only
 DECODE_MATMUL_FP8_TARGET = "jax_moe_decode_matmul_fp8"  # CUDA only
+SWIGLU_BACKWARD_TARGET = "jax_moe_swiglu_backward"  # CUDA only
 UNINITIALIZED_TARGET = "jax_moe_uninitialized"
 
 

@@ -31,16 +31,6 @@ ExpertFn = Callable[[dict, jax.Array, jax.Array], jax.Array]
 SHARED_NAMES = ("shared_gate_up", "shared_down", "shared_gate")
 
 
-def gated_silu_grad(hidden: jax.Array, d_activated: jax.Array) -> jax.Array:
-    """[R, 2F] cotangent of ``gated_silu``'s input from its output's [R, F], in float32, hidden's dtype."""
-    gate, up = jnp.split(hidden.astype(jnp.float32), 2, axis=-1)
-    d_act = d_activated.astype(jnp.float32)
-    sig = jax.nn.sigmoid(gate)
-    silu = gate * sig
-    d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
-    return jnp.concatenate([d_gate, d_act * silu], axis=-1).astype(hidden.dtype)
-
-
 def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """The default experts: SwiGLU as two ``jax.lax.ragged_dot`` grouped GEMMs.
 
@@ -205,18 +195,12 @@ def swiglu_grouped_grad_but_gate_up(hidden, offsets, gate_up, down, d_out, num_r
     num_groups = gate_up.shape[0]
     workspace = gemm.backward_workspace(num_groups)
     d_activated, workspace = gemm.input_grad(d_out, down, offsets, workspace, num_rows, tile)
-    activated = gated_silu(hidden, hidden.dtype)  # rounded as the forward rounded it
-    d_row_weights = None
-    if row_weights is not None:
-        d_row_weights = jnp.sum(activated.astype(jnp.float32) * d_activated.astype(jnp.float32), axis=-1)
-        # sum_r act_r^T (w_r d_out_r) = sum_r (w_r act_r)^T d_out_r: the [R, F] side takes the weight
-        activated = (activated.astype(jnp.float32) * row_weights[:, None]).astype(hidden.dtype)
-        d_activated = d_activated.astype(jnp.float32) * row_weights[:, None]
+    # The weights scale the [R, F] side of the down weight gradient: sum_r (w_r act_r)^T d_out_r.
+    activated, d_hidden, d_row_weights = gemm.swiglu_backward(hidden, d_activated, row_weights)
     if down_stack is None:
         d_down, workspace = gemm.weight_grad(activated, d_out, offsets, workspace, num_groups)
     else:
         d_down, workspace = gemm.weight_grad_into(activated, d_out, offsets, workspace, down_stack, layer)
-    d_hidden = gated_silu_grad(hidden, d_activated)
     d_rows, workspace = gemm.input_grad(d_hidden, gate_up, offsets, workspace, num_rows, tile)
     return d_rows, d_hidden, d_down, d_row_weights, workspace
 

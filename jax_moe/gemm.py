@@ -27,18 +27,24 @@ from jax_moe._validate import check_grouped_matmul_args
 from jax_moe.ops import fence_results
 from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, MoEScratch
 
-# Tile configurations of cuda/grouped_gemm.h (GemmTile): 64-row tiles for few rows per expert,
-# 128 x 256 cooperative tiles once experts average this many rows (prefill). DECODE_TILE is the
-# decode kernel (cuda/decode_gemm.h), taken while the experts that own rows expect at most
-# DECODE_MAX_ROWS_PER_EXPERT each (measured crossover: notebooks/results/bench_decode.md); the
-# backward's GEMMs of a decode-tile forward run on the 64-row tile. When the most rows one expert
-# can own is known (group_rows: T with distinct experts per token), the decode kernel also needs
-# it to be at most DECODE_MAX_GROUP_ROWS: with more rows per expert CUTLASS's 64-row tile streams
-# the weights faster (measured: Mixtral at T = 4, 586 vs 535 µs per layer).
-SMALL_M_TILE, LARGE_M_TILE, DECODE_TILE = 0, 1, 2
-TILES = (SMALL_M_TILE, LARGE_M_TILE, DECODE_TILE)
-TILE_NAMES = {SMALL_M_TILE: "small", LARGE_M_TILE: "large", DECODE_TILE: "decode"}
-LARGE_M_MIN_ROWS_PER_EXPERT = 128
+# Tile configurations of cuda/grouped_gemm.h (GemmTile), by the rows each expert expects: 64 x 128
+# tiles for a few (decode), 64 x 256 ping-pong tiles from MEDIUM_M_MIN_ROWS_PER_EXPERT (training and
+# prefill of fine-grained experts: half the padded rows of a 128-row tile on ragged groups), 128 x
+# 256 cooperative tiles from LARGE_M_MIN_ROWS_PER_EXPERT (measured per call at the four models'
+# shapes, notebooks/results/gemm_tiles_h200.txt: the 64 x 256 tile was faster than the 64 x 128 one
+# at 20 to 1024 rows per expert, 6-21 % faster than the 128 x 256 one at 128 and 256, and up to 14 %
+# slower at 1024). DECODE_TILE is the decode kernel (cuda/decode_gemm.h), taken while the experts
+# that own rows expect at most DECODE_MAX_ROWS_PER_EXPERT each (measured crossover:
+# notebooks/results/bench_decode.md); the backward's GEMMs of a decode-tile forward run on the 64 x
+# 128 tile. When the most rows one expert can own is known (group_rows: T with distinct experts per
+# token), the decode kernel also needs it to be at most DECODE_MAX_GROUP_ROWS: with more rows per
+# expert CUTLASS's 64-row tile streams the weights faster (measured: Mixtral at T = 4, 586 vs 535 µs
+# per layer).
+SMALL_M_TILE, LARGE_M_TILE, DECODE_TILE, MEDIUM_M_TILE = 0, 1, 2, 3
+TILES = (SMALL_M_TILE, MEDIUM_M_TILE, LARGE_M_TILE, DECODE_TILE)
+TILE_NAMES = {SMALL_M_TILE: "small", MEDIUM_M_TILE: "medium", LARGE_M_TILE: "large", DECODE_TILE: "decode"}
+MEDIUM_M_MIN_ROWS_PER_EXPERT = 20
+LARGE_M_MIN_ROWS_PER_EXPERT = 512
 DECODE_MAX_ROWS_PER_EXPERT = 2.0
 DECODE_MAX_GROUP_ROWS = 2
 DECODE_MAX_ROWS_PER_PASS = 8
@@ -77,7 +83,9 @@ def pick_tile(num_rows: int, num_groups: int, group_rows: int | None = None) -> 
             and (group_rows is None or group_rows <= DECODE_MAX_GROUP_ROWS)):
         return DECODE_TILE
     rows_per_expert = num_rows / max(1, min(num_groups, num_rows))
-    return LARGE_M_TILE if rows_per_expert >= LARGE_M_MIN_ROWS_PER_EXPERT else SMALL_M_TILE
+    if rows_per_expert >= LARGE_M_MIN_ROWS_PER_EXPERT:
+        return LARGE_M_TILE
+    return MEDIUM_M_TILE if rows_per_expert >= MEDIUM_M_MIN_ROWS_PER_EXPERT else SMALL_M_TILE
 
 
 def decode_rows_per_pass(num_rows: int, num_groups: int, group_rows: int | None = None) -> int:
@@ -136,6 +144,60 @@ def gated_silu(hidden: jax.Array, dtype) -> jax.Array:
     """SwiGLU's activation of the fused [R, 2F] gate/up product, in float32, cast to dtype."""
     gate, up = jnp.split(hidden.astype(jnp.float32), 2, axis=-1)
     return (jax.nn.silu(gate) * up).astype(dtype)
+
+
+def _swiglu_backward_xla(h, d, w):
+    """``swiglu_backward`` as XLA's fusions (the CPU path, and the GPU's for other dtypes)."""
+    activated = gated_silu(h, h.dtype)  # rounded as the forward rounded it
+    d_act = d.astype(jnp.float32)
+    d_w = None
+    if w is not None:
+        d_w = jnp.sum(activated.astype(jnp.float32) * d_act, axis=-1)
+        activated = (activated.astype(jnp.float32) * w[:, None]).astype(h.dtype)
+        d_act = d_act * w[:, None]
+    gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
+    sig = jax.nn.sigmoid(gate)
+    d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
+    d_hidden = jnp.concatenate([d_gate, d_act * (gate * sig)], axis=-1).astype(h.dtype)
+    return activated, d_hidden, d_w
+
+
+def swiglu_backward(hidden: jax.Array, d_activated: jax.Array, row_weights: jax.Array | None = None):
+    """The SwiGLU activation's backward, with the activation the down weight gradient needs.
+
+    Args:
+      hidden: [R, 2F] the forward's gate/up product [gate | up]; d_activated: [R, F] the
+        activation's cotangent (hidden's dtype).
+      row_weights: optional [R] float32 w_r when the rows' outputs were weighted (w_r * out_r) and
+        ``d_activated`` is the cotangent of the unweighted output's activation.
+
+    Returns:
+      ``(activated [R, F], d_hidden [R, 2F], d_row_weights [R] float32 or None)``: the activation
+      (rounded to hidden's dtype as the forward rounded it), times w_r when weighted; the cotangent of
+      hidden for d_activated * w_r; and sum_f activation * d_activated per row when weighted.
+      float32 math. On a GPU with bf16 and F a multiple of 8, one CUDA kernel
+      (cuda/swiglu_kernels.h); XLA's fusions of the same math otherwise.
+    """
+    ffn = d_activated.shape[-1]
+    if hidden.dtype != jnp.bfloat16 or d_activated.dtype != jnp.bfloat16 or ffn % 8:
+        return _swiglu_backward_xla(hidden, d_activated, row_weights)
+    weighted = row_weights is not None
+
+    def native(h, d, w):
+        rows = h.shape[0]
+        call = jax.ffi.ffi_call(
+            _native.SWIGLU_BACKWARD_TARGET,
+            (jax.ShapeDtypeStruct(d.shape, d.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype),
+             jax.ShapeDtypeStruct((rows if weighted else 1,), jnp.float32)),
+            # In place: each thread reads its vectors of d_activated and hidden before writing
+            # activated and d_hidden over them, so the backward holds no third [R, 2F] buffer.
+            input_output_aliases={1: 0, 0: 1},
+            vmap_method="sequential")
+        activated, d_hidden, d_w = call(h, d, w if weighted else jnp.zeros((1,), jnp.float32), weighted=weighted)
+        return activated, d_hidden, d_w if weighted else None
+
+    weights = row_weights.astype(jnp.float32) if weighted else None
+    return _on_cuda(native, _swiglu_backward_xla, hidden, d_activated, weights)
 
 
 def _on_cuda(native, fallback, *args):
@@ -321,8 +383,8 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, scratch: MoEScratch, *,
         ``workspace`` holds the GEMM's per-expert arguments (written in place when donated).
       num_rows: output rows (default R): the live rows' static bound, so work and memory follow
         the batch rather than R_cap. Rows of groups past it are not computed.
-      tile: the GPU kernel: ``SMALL_M_TILE``, ``LARGE_M_TILE`` or ``DECODE_TILE`` (None: by
-        ``pick_tile`` from the rows each expert expects). Results agree within rounding.
+      tile: the GPU kernel: ``SMALL_M_TILE``, ``MEDIUM_M_TILE``, ``LARGE_M_TILE`` or ``DECODE_TILE``
+        (None: by ``pick_tile`` from the rows each expert expects). Results agree within rounding.
 
     Returns:
       ``(out, scratch)``: out [num_rows, N] bf16 with ``out[i] = rows[i] @ weights[g]`` (f32
@@ -339,7 +401,7 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, scratch: MoEScratch, *,
     if tile is None:
         tile = pick_tile(num_rows, scratch.config.num_local_experts)
     elif tile not in TILES:
-        raise ValueError(f"grouped_matmul: tile: expected one of {TILES} (gemm.SMALL_M_TILE, LARGE_M_TILE, "
-                         f"DECODE_TILE) or None, got {tile!r}")
+        raise ValueError(f"grouped_matmul: tile: expected one of {TILES} (gemm.SMALL_M_TILE, MEDIUM_M_TILE, "
+                         f"LARGE_M_TILE, DECODE_TILE) or None, got {tile!r}")
     out, workspace = _grouped_matmul(rows, weights, scratch.expert_offsets, scratch.workspace, num_rows, tile)
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))

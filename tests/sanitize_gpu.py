@@ -1,7 +1,7 @@
 """A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths,
 padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward; the grouped
 GEMM forward and its input- and weight-gradient kernels (also written into a stacked gradient); the
-decode kernel on bf16 and FP8 weights; with
+SwiGLU backward's elementwise kernel; the decode kernel on bf16 and FP8 weights; with
 --stack, the training stack's gradients. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
@@ -41,8 +41,9 @@ for case in CASES:
     finite = all(bool(np.isfinite(np.asarray(a, np.float32)).all()) for a in (out, d_y, d_w))
     print(case.name, "live rows", int(scratch.expert_offsets[-1]), "out and gradients finite", finite)
 
-# The grouped GEMM on the same groups: bf16 with align padding and empty experts, both tiles.
-for num_tokens in (24, 3000):
+# The grouped GEMM on the same groups: bf16 with align padding and empty experts, its three tiles
+# (about 5, 190 and 750 rows per expert).
+for num_tokens in (24, 3000, 12000):
     config = jax_moe.MoEConfig(num_experts=64, top_k=4, hidden_size=256, max_tokens=num_tokens, align=8)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((num_tokens, 256)).astype(jax.numpy.bfloat16)
@@ -50,7 +51,7 @@ for num_tokens in (24, 3000):
     scratch = jax.jit(jax_moe.permute)(x, ids, jax_moe.init_scratch(config))
     w = (rng.standard_normal((64, 256, 512)) / 16).astype(jax.numpy.bfloat16)
     out, scratch = jax.jit(jax_moe.grouped_matmul)(scratch.permuted, w, scratch)
-    # Its backward: the input-gradient (both tiles) and weight-gradient kernels, empty experts zeroed.
+    # Its backward: the input-gradient (each tile) and weight-gradient kernels, empty experts zeroed.
     loss = lambda r, w: jax.numpy.sum(jax_moe.grouped_matmul(r, w, scratch)[0].astype(np.float32))
     d_rows, d_w = jax.jit(jax.grad(loss, argnums=(0, 1)))(scratch.permuted, w)
     finite = all(bool(np.isfinite(np.asarray(a, np.float32)).all()) for a in (out, d_rows, d_w))
@@ -62,6 +63,15 @@ for num_tokens in (24, 3000):
                                                       jax.numpy.ones((3,) + w.shape, w.dtype), np.int32(2))
     print("weight_grad_into: slices 0, 1 untouched", bool((np.asarray(stack[:2], np.float32) == 1).all()),
           "empty experts zero", not np.asarray(stack[2, 20:], np.float32).any())
+
+# The SwiGLU backward's elementwise kernel, weighted and not (F = 776: lanes take unequal counts).
+rng = np.random.default_rng(4)
+hidden = rng.standard_normal((1001, 2 * 776)).astype(jax.numpy.bfloat16)
+d_act = rng.standard_normal((1001, 776)).astype(jax.numpy.bfloat16)
+for row_weights in (rng.uniform(0, 1, 1001).astype(np.float32), None):
+    results = jax.jit(jax_moe.gemm.swiglu_backward)(hidden, d_act, row_weights)
+    print("swiglu_backward weighted", row_weights is not None, "finite",
+          all(bool(np.isfinite(np.asarray(a, np.float32)).all()) for a in results if a is not None))
 
 # The decode kernel: plain and gated, one and several passes per expert (rows_per_pass 1 vs up to
 # 40 rows an expert), dropped routes leaving rows past the live count, 64- and 128-column tiles.

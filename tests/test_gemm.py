@@ -71,7 +71,7 @@ def test_rejects_bad_arguments():
         ((rows[:, :12], _weights(4, 12, 8)), {}, "K (rows.shape[1]): expected a positive multiple of 8"),
         ((rows, _weights(4, 16, 12)), {}, "N (weights.shape[2]): expected a positive multiple of 8"),
         ((rows, w), {"num_rows": 0}, "num_rows: expected an int in [1, 16]"),
-        ((rows, w), {"tile": 3}, "tile: expected one of (0, 1, 2)"),
+        ((rows, w), {"tile": 4}, "tile: expected one of (0, 3, 1, 2)"),
         ((jnp.zeros((17, 16), BF16), w), {}, "rows: expected a rank-2 array [R, K] with R <= 16"),
     ]
     for args, kwargs, message in cases:
@@ -118,9 +118,12 @@ def test_tile_choice_follows_rows_per_expert():
     assert gemm.pick_tile(512, 128) == gemm.SMALL_M_TILE     # Qwen3-30B at T=64: ~4
     assert gemm.pick_tile(8, 8) == gemm.DECODE_TILE          # Mixtral at T=4: 1.5 rows per expert
     assert gemm.pick_tile(32, 8) == gemm.SMALL_M_TILE        # Mixtral at T=16: 4
-    assert gemm.pick_tile(8192, 128) == gemm.SMALL_M_TILE    # 64 rows per expert
-    assert gemm.pick_tile(32768, 256) == gemm.LARGE_M_TILE   # 128 rows per expert
-    assert gemm.pick_tile(4096, 8) == gemm.LARGE_M_TILE
+    assert gemm.pick_tile(2048, 128) == gemm.SMALL_M_TILE    # 16 rows per expert
+    assert gemm.pick_tile(8192, 128) == gemm.MEDIUM_M_TILE   # 64 rows per expert
+    assert gemm.pick_tile(32768, 256) == gemm.MEDIUM_M_TILE  # 128 rows per expert
+    assert gemm.pick_tile(32768, 128) == gemm.MEDIUM_M_TILE  # 256 rows per expert
+    assert gemm.pick_tile(4096, 8) == gemm.LARGE_M_TILE      # 512
+    assert gemm.pick_tile(131072, 128) == gemm.LARGE_M_TILE  # 1024
     # Knowing the most rows one expert can own (T): the decode kernel up to DECODE_MAX_GROUP_ROWS.
     assert gemm.pick_tile(8, 128, group_rows=1) == gemm.DECODE_TILE
     assert gemm.pick_tile(16, 128, group_rows=2) == gemm.DECODE_TILE
@@ -222,7 +225,8 @@ def test_gpu_edge_cases_match_ragged_dot(case):
 
 # K and N off the tiles' multiples: the 128 x 256 tile's 1x2 cluster has an odd count of N tiles
 # (768 = 3 tiles, 264 = 2 with a partial one), the K tail is partial (264), and N = 8 is one column
-# group. Each on the small tile (T=16) and the large one (T=2048: 512 rows per expert).
+# group. Each on the small tile (T=16), the medium one (T=300: 75 rows per expert) and the large one
+# (T=2048: 512 rows per expert).
 ODD_TILE_SHAPES = [(512, 768), (264, 264), (256, 8)]
 
 
@@ -244,8 +248,9 @@ def test_gpu_shared_expert_on_the_decode_kernel(num_tokens):
     assert hlo.as_text().count("jax_moe_decode_matmul") >= 2
 
 
-TILE_CASES = [(16, gemm.SMALL_M_TILE), (2048, gemm.LARGE_M_TILE), (16, gemm.DECODE_TILE), (300, gemm.DECODE_TILE)]
-TILE_IDS = ["small-tile", "large-tile", "decode", "decode-many-rows"]
+TILE_CASES = [(16, gemm.SMALL_M_TILE), (300, gemm.MEDIUM_M_TILE), (2048, gemm.LARGE_M_TILE), (16, gemm.DECODE_TILE),
+              (300, gemm.DECODE_TILE)]
+TILE_IDS = ["small-tile", "medium-tile", "large-tile", "decode", "decode-many-rows"]
 
 
 @pytest.mark.gpu

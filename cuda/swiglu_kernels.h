@@ -1,0 +1,34 @@
+// The SwiGLU experts' elementwise backward, between the grouped GEMMs of the training step's
+// backward (jax_moe.gemm.swiglu_backward). Per row r of the gate/up product hidden [R, 2F] =
+// [gate | up] and the activation's cotangent d_act [R, F] (the down projection's input gradient):
+//   act[r]          = bf16(silu(gate) * up)                         (the forward's rounding)
+//   activated[r]    = bf16(act * w[r])                              (w[r] = 1 without row weights)
+//   d_hidden[r]     = bf16([d * up * sig * (1 + gate * (1 - sig)) | d * silu(gate)]), d = d_act * w[r]
+//   d_row_weight[r] = sum over f of act[f] * d_act[f]               (with row weights only)
+// in float32 from the bf16 inputs. One pass over the inputs, where XLA's fusions of the same math
+// read them three times. Deterministic: each row's sum runs in a fixed order. In place allowed:
+// activated may be d_activated and d_hidden may be hidden (each thread reads its vectors first).
+#ifndef JAX_MOE_SWIGLU_KERNELS_H_
+#define JAX_MOE_SWIGLU_KERNELS_H_
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace jax_moe {
+
+struct SwigluBackwardArgs {
+  const void* hidden;           // [R, 2F] bf16
+  const void* d_activated;      // [R, F] bf16
+  const float* row_weights;     // [R], or nullptr
+  void* activated;              // [R, F] bf16
+  void* d_hidden;               // [R, 2F] bf16
+  float* d_row_weights;         // [R] when row_weights is given, else unused
+  int64_t rows, ffn;            // R and F (a multiple of 8)
+};
+
+cudaError_t LaunchSwigluBackward(const SwigluBackwardArgs& args, cudaStream_t stream);
+
+}  // namespace jax_moe
+
+#endif  // JAX_MOE_SWIGLU_KERNELS_H_
