@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "bf16_vector.cuh"
 #include "decode_gemm.h"
 
 namespace jax_moe {
@@ -30,15 +31,7 @@ constexpr int kScaleBlock = 128;  // FP8 weights: one scale per 128 x 128 block
 
 __device__ __forceinline__ int Clamp(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// bf16 pairs to float32: the low half of each 32-bit word is the lower-indexed element.
-__device__ __forceinline__ void Unpack(const uint4& v, float (&f)[8]) {
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(words[i] << 16);
-    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-  }
-}
+using jax_moe::Unpack;  // the bf16 vector's (bf16_vector.cuh), beside the FP8 one below
 
 // Eight e4m3 values to float32: exact (every e4m3 value is an fp16 value), through the hardware's
 // e4m3x2 -> f16x2 conversion (integer-only conversions measured 20-50 % slower on the H200).

@@ -9,15 +9,14 @@
 #include <vector>
 #include <algorithm>
 #include <random>
+#include "bench_timing.h"
 #include "gpu_kernels.h"
 using namespace jax_moe;
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s line %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
 struct Shape { const char* name; int E, k, H, T; };
 int main() {
   Shape shapes[] = {{"dsv3",256,8,7168,1},{"dsv3",256,8,7168,16},{"dsv3",256,8,7168,128},{"dsv3",256,8,7168,1024},{"dsv3",256,8,7168,4096},{"dsv3",256,8,7168,16384},
                     {"qwen3",128,8,2048,16},{"qwen3",128,8,2048,1024},{"qwen3",128,8,2048,16384},{"qwen35",512,10,4096,64},{"qwen35",512,10,4096,16384},{"mixtral",8,2,4096,16384}};
   cudaStream_t st; CK(cudaStreamCreate(&st));
-  cudaEvent_t a, b; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
   for (auto s : shapes) {
     int64_t T = s.T, k = s.k, H = s.H, E = s.E, R = T * k, cap = R;
     int64_t tiles = (R + kTileRoutes - 1) / kTileRoutes;
@@ -32,18 +31,7 @@ int main() {
     CK(cudaMemset(x, 0x3c, T*H*2)); CK(cudaMemset(w, 0, R*4));
     PermuteArgs p{x, dids, nullptr, perm, src, dest, gs, off, ws, T, k, E, E, cap, H*2, 1, E*(tiles+1)};
     UnpermuteArgs u{perm, w, dest, out, T, k, H, cap, FloatType::kBF16, FloatType::kF32};
-    auto timeit = [&](auto fn) {
-      // Graph of 20 launches: per-launch device time without host launch overhead.
-      cudaGraph_t graph; cudaGraphExec_t exec;
-      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-      for (int i = 0; i < 20; ++i) fn();
-      CK(cudaStreamEndCapture(st, &graph)); CK(cudaGraphInstantiate(&exec, graph, 0));
-      CK(cudaGraphLaunch(exec, st)); CK(cudaStreamSynchronize(st));
-      std::vector<float> ms;
-      for (int r = 0; r < 7; ++r) { CK(cudaEventRecord(a, st)); CK(cudaGraphLaunch(exec, st)); CK(cudaEventRecord(b, st)); CK(cudaEventSynchronize(b)); float m; CK(cudaEventElapsedTime(&m, a, b)); ms.push_back(m); }
-      std::sort(ms.begin(), ms.end()); CK(cudaGraphExecDestroy(exec)); CK(cudaGraphDestroy(graph));
-      return ms[3] * 1000.0 / 20;
-    };
+    auto timeit = [&](auto fn) { return GraphMicroseconds(st, 20, 7, fn); };
     double tp = timeit([&] { CK(LaunchPermute(p, st)); });
     double tu = timeit([&] { CK(LaunchUnpermute(u, st)); });
     int64_t bytes = (T + R) * H * 2;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "bf16_vector.cuh"
 #include "swiglu_kernels.h"
 
 namespace jax_moe {
@@ -11,25 +12,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kRowsPerBlock = kThreads / 32;
-
-__device__ __forceinline__ void Unpack(const uint4& v, float (&f)[8]) {
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(words[i] << 16);
-    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-  }
-}
-
-__device__ __forceinline__ uint4 Pack(const float (&f)[8]) {
-  uint32_t words[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 pair = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);  // .x is the low half
-    words[i] = *reinterpret_cast<const uint32_t*>(&pair);
-  }
-  return make_uint4(words[0], words[1], words[2], words[3]);
-}
 
 __device__ __forceinline__ float RoundToBf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 

@@ -14,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "bench_timing.h"
 #include "grouped_gemm.h"
 
 using namespace jax_moe;
@@ -23,7 +24,6 @@ __global__ void Compare(const uint16_t* x, const uint16_t* y, int64_t n, unsigne
     if (x[i] != y[i]) ++local;
   if (local) atomicAdd(bad, local);
 }
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s line %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
 struct Case { const char* name; int E, k; int64_t T, K, N; };
 int main() {
   Case cases[] = {
@@ -40,18 +40,7 @@ int main() {
   struct V { const char* name; GemmTile tile; } vs[] = {
       {"large 128x256", GemmTile::kLargeM}, {"small 64x128", GemmTile::kSmallM}, {"medium 64x256", GemmTile::kMediumM}};
   cudaStream_t st; CK(cudaStreamCreate(&st));
-  cudaEvent_t a, b; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
-  auto timeit = [&](auto fn) {
-    cudaGraph_t graph; cudaGraphExec_t exec;
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < 10; ++i) fn();
-    CK(cudaStreamEndCapture(st, &graph)); CK(cudaGraphInstantiate(&exec, graph, 0));
-    CK(cudaGraphLaunch(exec, st)); CK(cudaStreamSynchronize(st));
-    std::vector<float> ms;
-    for (int r = 0; r < 5; ++r) { CK(cudaEventRecord(a, st)); CK(cudaGraphLaunch(exec, st)); CK(cudaEventRecord(b, st)); CK(cudaEventSynchronize(b)); float m; CK(cudaEventElapsedTime(&m, a, b)); ms.push_back(m); }
-    std::sort(ms.begin(), ms.end()); CK(cudaGraphExecDestroy(exec)); CK(cudaGraphDestroy(graph));
-    return ms[2] * 1000.0 / 10;
-  };
+  auto timeit = [&](auto fn) { return GraphMicroseconds(st, 10, 5, fn); };
   for (auto c : cases) {
     const int64_t R = c.T * c.k, E = c.E;
     std::mt19937 g(1); std::vector<int> counts(E, 0);

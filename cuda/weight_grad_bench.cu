@@ -16,6 +16,7 @@
 #include <random>
 #include <vector>
 
+#include "bench_timing.h"
 #include "grouped_gemm_impl.cuh"
 
 namespace jax_moe::gemm {
@@ -37,7 +38,6 @@ __global__ void Compare(const uint16_t* x, const uint16_t* y, const int* counts,
     if (counts[i / per] && x[i] != y[i]) ++local;
   if (local) atomicAdd(bad, local);
 }
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s line %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
 struct Case { const char* name; int E, k; int64_t T, K, N; };
 int sms() { int c; CK(cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, 0)); return c; }
 int main(int argc, char** argv) {
@@ -55,7 +55,6 @@ int main(int argc, char** argv) {
   struct V { const char* name; Fn fn; } vs[] = {{"A auto128x32 S2", gemm::RunGemm<gemm::Variant<gemm::Auto>>},
       {"B 128x64 S2", gemm::RunGemm<gemm::Variant<gemm::Wide>>}, {"C 128x128 S2", gemm::RunGemm<gemm::Variant<gemm::Wider>>}};
   cudaStream_t st; CK(cudaStreamCreate(&st));
-  cudaEvent_t a, b; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
   const int sm = sms();
   for (auto c : cases) {
     const int64_t R = c.T * c.k, E = c.E;
@@ -73,17 +72,7 @@ int main(int argc, char** argv) {
     GroupedGemmArgs args{}; args.a = rows; args.b = dout; args.expert_offsets = doff; args.out = ref; args.workspace = ws;
     args.workspace_bytes = wsb; args.out_rows = R; args.num_groups = E; args.k = c.K; args.n = c.N; args.op = GemmOp::kWeightGrad; args.tile = GemmTile::kLargeM;
     CK(LaunchGroupedGemm(args, st)); CK(cudaStreamSynchronize(st));
-    auto timeit = [&](auto fn) {
-      cudaGraph_t graph; cudaGraphExec_t exec;
-      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-      for (int i = 0; i < 10; ++i) fn();
-      CK(cudaStreamEndCapture(st, &graph)); CK(cudaGraphInstantiate(&exec, graph, 0));
-      CK(cudaGraphLaunch(exec, st)); CK(cudaStreamSynchronize(st));
-      std::vector<float> ms;
-      for (int r = 0; r < 5; ++r) { CK(cudaEventRecord(a, st)); CK(cudaGraphLaunch(exec, st)); CK(cudaEventRecord(b, st)); CK(cudaEventSynchronize(b)); float m; CK(cudaEventElapsedTime(&m, a, b)); ms.push_back(m); }
-      std::sort(ms.begin(), ms.end()); CK(cudaGraphExecDestroy(exec)); CK(cudaGraphDestroy(graph));
-      return ms[2] * 1000.0 / 10;
-    };
+    auto timeit = [&](auto fn) { return GraphMicroseconds(st, 10, 5, fn); };
     double tset = timeit([&] { CK(cudaMemsetAsync(out, 0, out_bytes, st)); });
     double flops = 2.0 * R * c.K * c.N;
     printf("%-18s E=%d rows/expert=%.0f out %.0f MB: memset %.1f us (%.2f TB/s)\n", c.name, c.E, double(R) / E, out_bytes / 1e6, tset, out_bytes / tset / 1e6);

@@ -1,0 +1,35 @@
+// Eight bf16 values in one 16-byte vector (a uint4) to float32 and back, for device code that
+// loads and stores rows 16 bytes at a time.
+#ifndef JAX_MOE_BF16_VECTOR_CUH_
+#define JAX_MOE_BF16_VECTOR_CUH_
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace jax_moe {
+
+// Exact: the low half of each 32-bit word is the lower-indexed element.
+__device__ __forceinline__ void Unpack(const uint4& v, float (&f)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(words[i] << 16);
+    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
+// Each value rounded to bf16 (nearest even).
+__device__ __forceinline__ uint4 Pack(const float (&f)[8]) {
+  uint32_t words[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);  // .x is the low half
+    words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+}  // namespace jax_moe
+
+#endif  // JAX_MOE_BF16_VECTOR_CUH_
