@@ -30,11 +30,12 @@ from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, MoEScra
 # Tile configurations of cuda/grouped_gemm.h (GemmTile), by the rows each expert expects: 64 x 128
 # tiles for a few (decode), 64 x 256 ping-pong tiles from MEDIUM_M_MIN_ROWS_PER_EXPERT (training and
 # prefill of fine-grained experts: half the padded rows of a 128-row tile on ragged groups), 128 x
-# 256 cooperative tiles from LARGE_M_MIN_ROWS_PER_EXPERT (measured per call at the four models'
-# shapes, notebooks/results/gemm_tiles_h200.txt: the 64 x 256 tile was faster than the 64 x 128 one
-# at 20 to 1024 rows per expert, 6-21 % faster than the 128 x 256 one at 128 and 256, and up to 14 %
-# slower at 1024). DECODE_TILE is the decode kernel (cuda/decode_gemm.h), taken while the experts
-# that own rows expect at most DECODE_MAX_ROWS_PER_EXPERT each (measured crossover:
+# 256 cooperative tiles from LARGE_M_MIN_ROWS_PER_EXPERT. Measured per call at the four models'
+# shapes (notebooks/results/gemm_tiles_h200.txt): the 64 x 256 tile beat the 64 x 128 one at 20 to
+# 1024 rows per expert; at 128 and 256 it was up to 21 % faster than the 128 x 256 one on 11 of 12
+# products and 2 % slower on one; at 1024, up to 14 % slower.
+# DECODE_TILE is the decode kernel (cuda/decode_gemm.h), taken while the experts that own rows
+# expect at most DECODE_MAX_ROWS_PER_EXPERT each (measured crossover:
 # notebooks/results/bench_decode.md); the backward's GEMMs of a decode-tile forward run on the 64 x
 # 128 tile. When the most rows one expert can own is known (group_rows: T with distinct experts per
 # token), the decode kernel also needs it to be at most DECODE_MAX_GROUP_ROWS: with more rows per
@@ -190,7 +191,7 @@ def swiglu_backward(hidden: jax.Array, d_activated: jax.Array, row_weights: jax.
             (jax.ShapeDtypeStruct(d.shape, d.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype),
              jax.ShapeDtypeStruct((rows if weighted else 1,), jnp.float32)),
             # In place: each thread reads its vectors of d_activated and hidden before writing
-            # activated and d_hidden over them, so the backward holds no third [R, 2F] buffer.
+            # activated and d_hidden over them, so the backward allocates neither.
             input_output_aliases={1: 0, 0: 1},
             vmap_method="sequential")
         activated, d_hidden, d_w = call(h, d, w if weighted else jnp.zeros((1,), jnp.float32), weighted=weighted)
@@ -201,7 +202,7 @@ def swiglu_backward(hidden: jax.Array, d_activated: jax.Array, row_weights: jax.
 
 
 def _on_cuda(native, fallback, *args):
-    """The CUDA custom call when the program is lowered for a GPU, else the ragged_dot fallback."""
+    """The CUDA custom call when the program is lowered for a GPU, else the fallback (XLA's ops)."""
     if not _native.HAS_CUDA:
         return fallback(*args)
     return lax.platform_dependent(*args, cuda=native, default=fallback)

@@ -150,7 +150,8 @@ def test_gpu_swiglu_backward_kernel_matches_xla(weighted):
         assert np.isfinite(g).all() and np.abs(h).max() > 0
         np.testing.assert_allclose(g, h, rtol=2**-7, atol=1e-6 * np.abs(h).max())
     if weighted:
-        scale = np.abs(np.asarray(want[0], np.float32) / w[:, None]).sum(-1) * np.abs(np.asarray(d_act, np.float32)).max()
+        activation = np.asarray(want[0], np.float32) / w[:, None]  # want[0] is the weighted activation
+        scale = np.abs(activation).sum(-1) * np.abs(np.asarray(d_act, np.float32)).max()
         assert np.all(np.abs(np.asarray(got[2]) - np.asarray(want[2])) <= 1e-5 * scale + 1e-6)
     else:
         assert got[2] is None
