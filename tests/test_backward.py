@@ -425,16 +425,21 @@ def test_gpu_stack_gradient_edge_cases(case):
 
 
 def _qwen3_training_step(layers, num_tokens):
-    """Qwen3-30B-A3B's layers as a donated training step: ``(config, params, x, step)``."""
+    """Qwen3-30B-A3B's layers and a donated training step: ``(config, params, x, step)``."""
     m = MODELS["qwen3_30b"]
     config = m.config(num_tokens)
     params = jax_moe.init_moe_params(jax.random.key(0), config, layers, m.ffn_size)
     x = jax.random.normal(jax.random.key(1), (num_tokens, m.hidden_size)).astype(BF16)
+    return config, params, x, _training_step()
 
+
+def _training_step():
+    """A fresh jitted ``value_and_grad`` of ``mean(moe_stack(p, x, s)**2)``, scratch donated (fresh:
+    a new jit traces again, so it sees module settings changed since the last one)."""
     def loss(p, x, s):
         y, s = jax_moe.moe_stack(p, x, s)
         return jnp.mean(jnp.square(y.astype(jnp.float32))), s
-    return config, params, x, jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), donate_argnums=2)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), donate_argnums=2)
 
 
 @pytest.mark.gpu
@@ -444,12 +449,11 @@ def test_gpu_activations_in_the_gradient_save_their_bytes(monkeypatch):
     from jax_moe import stack
     from jax_moe.demo import memory_stats
     layers, num_tokens = 4, 1024
+    config, params, x, _ = _qwen3_training_step(layers, num_tokens)
 
     def total_bytes(backends):
-        monkeypatch.setattr(stack, "PACK_BACKENDS", backends)
-        config, params, x, step = _qwen3_training_step(layers, num_tokens)
-        return memory_stats(step.lower(params, x, init_scratch(config)).compile())["total_bytes"]
-    config, params, _, _ = _qwen3_training_step(layers, num_tokens)
+        monkeypatch.setattr(stack, "PACK_BACKENDS", backends)  # read when the step is traced
+        return memory_stats(_training_step().lower(params, x, init_scratch(config)).compile())["total_bytes"]
     rows = config.live_row_bound(num_tokens)
     ffn = params["down"].shape[-2]
     activations = layers * 2 * (num_tokens * config.hidden_size + rows * 2 * ffn)
