@@ -155,8 +155,7 @@ ffi::Error GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
   const auto bd = b.dimensions();
   const auto od = out->dimensions();
   if (a.element_type() != ffi::BF16 || b.element_type() != ffi::BF16 || out->element_type() != ffi::BF16 ||
-      (tile != static_cast<int64_t>(GemmTile::kSmallM) && tile != static_cast<int64_t>(GemmTile::kMediumM) &&
-       tile != static_cast<int64_t>(GemmTile::kLargeM)))
+      !IsGemmTile(tile))
     return InvalidArgument("grouped_matmul: expected bf16 operands and a known tile");
   GroupedGemmArgs args;
   args.op = static_cast<GemmOp>(op);

@@ -136,6 +136,13 @@ int SmCount() {
   return std::min(count, kGemmMaxSms);
 }
 
+using GemmRunner = cudaError_t (*)(const GroupedGemmArgs&, int, cudaStream_t);
+
+// One op's configuration for a tile (checked by IsGemmTile first).
+GemmRunner ByTile(GemmTile tile, GemmRunner small, GemmRunner medium, GemmRunner large) {
+  return tile == GemmTile::kLargeM ? large : tile == GemmTile::kMediumM ? medium : small;
+}
+
 template <GemmOp kOp>
 cudaError_t LaunchSetup(const GroupedGemmArgs& args, cudaStream_t stream) {
   SetupParams setup{static_cast<const Element*>(args.a), static_cast<const Element*>(args.b), args.expert_offsets,
@@ -171,32 +178,17 @@ cudaError_t LaunchGroupedGemm(const GroupedGemmArgs& args, cudaStream_t stream) 
     return cudaErrorInvalidValue;
   const int sm_count = SmCount();
   if (sm_count <= 0) return cudaErrorInvalidDevice;
-  if (args.tile != GemmTile::kSmallM && args.tile != GemmTile::kMediumM && args.tile != GemmTile::kLargeM)
-    return cudaErrorInvalidValue;
+  if (!IsGemmTile(static_cast<int64_t>(args.tile))) return cudaErrorInvalidValue;
   cudaError_t status = cudaSuccess;
   switch (args.op) {
     case GemmOp::kForward:
       status = LaunchSetup<GemmOp::kForward>(args, stream);
       if (status != cudaSuccess) return status;
-      switch (args.tile) {
-        case GemmTile::kLargeM:
-          return RunForwardLargeM(args, sm_count, stream);
-        case GemmTile::kMediumM:
-          return RunForwardMediumM(args, sm_count, stream);
-        default:
-          return RunForwardSmallM(args, sm_count, stream);
-      }
+      return ByTile(args.tile, RunForwardSmallM, RunForwardMediumM, RunForwardLargeM)(args, sm_count, stream);
     case GemmOp::kInputGrad:
       status = LaunchSetup<GemmOp::kInputGrad>(args, stream);
       if (status != cudaSuccess) return status;
-      switch (args.tile) {
-        case GemmTile::kLargeM:
-          return RunInputGradLargeM(args, sm_count, stream);
-        case GemmTile::kMediumM:
-          return RunInputGradMediumM(args, sm_count, stream);
-        default:
-          return RunInputGradSmallM(args, sm_count, stream);
-      }
+      return ByTile(args.tile, RunInputGradSmallM, RunInputGradMediumM, RunInputGradLargeM)(args, sm_count, stream);
     case GemmOp::kWeightGrad:
       status = LaunchSetup<GemmOp::kWeightGrad>(args, stream);
       if (status != cudaSuccess) return status;

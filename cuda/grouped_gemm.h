@@ -30,6 +30,12 @@ enum class GemmTile : int64_t {
   kMediumM = 3,  // 64 x 256 tiles, ping-pong warp groups: tens to hundreds of rows per expert
 };
 
+// Whether `tile` names one of GemmTile's configurations (the FFI handler and the launcher check it).
+inline bool IsGemmTile(int64_t tile) {
+  return tile == static_cast<int64_t>(GemmTile::kSmallM) || tile == static_cast<int64_t>(GemmTile::kMediumM) ||
+         tile == static_cast<int64_t>(GemmTile::kLargeM);
+}
+
 // Which product of the expert layer (see the top of this file).
 enum class GemmOp : int64_t {
   kForward = 0,
