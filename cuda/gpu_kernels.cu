@@ -534,7 +534,55 @@ cudaError_t LaunchUnpermuteGradWeights(const UnpermuteGradArgs& a, cudaStream_t 
                                           : LaunchUnpermuteGradRows<Row, __nv_bfloat16>(a, stream);
 }
 
+// ---- Rows by their routes, one launch in two roles, one thread per 16-byte vector of a row.
+// Token blocks: load the token's vector of every array once (all loads before the stores), store
+// it to each of the token's routed rows. Zero blocks: rows no route points at get zeros.
+__global__ void __launch_bounds__(kThreads) GatherRowsKernel(GatherRowsArgs a, int64_t token_blocks) {
+  const int64_t vecs_per_row = a.row_bytes / 16;
+  if (blockIdx.x < token_blocks) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    if (i >= a.num_tokens * vecs_per_row) return;
+    const int64_t t = i / vecs_per_row, v = i % vecs_per_row;
+    uint4 values[kMaxGatherArrays];
+#pragma unroll
+    for (int n = 0; n < kMaxGatherArrays; ++n)
+      if (n < a.num_arrays) values[n] = static_cast<const uint4*>(a.x[n])[i];
+    for (int64_t j = 0; j < a.top_k; ++j) {
+      const int32_t row = a.dest_index[t * a.top_k + j];
+      if (row < 0 || row >= a.num_rows) continue;  // dropped
+#pragma unroll
+      for (int n = 0; n < kMaxGatherArrays; ++n)
+        if (n < a.num_arrays) static_cast<uint4*>(a.out[n])[row * vecs_per_row + v] = values[n];
+    }
+    return;
+  }
+  // One warp per row: most rows have a route and need nothing here.
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) - token_blocks) * kWarps + (threadIdx.x >> 5);
+  if (row >= a.num_rows) return;
+  const int32_t route = a.src_index[row];
+  if (route >= 0 && route < a.num_tokens * a.top_k) return;  // a token block writes it
+  for (int64_t v = threadIdx.x & 31; v < vecs_per_row; v += 32)
+#pragma unroll
+    for (int n = 0; n < kMaxGatherArrays; ++n)
+      if (n < a.num_arrays) static_cast<uint4*>(a.out[n])[row * vecs_per_row + v] = make_uint4(0, 0, 0, 0);
+}
+
 }  // namespace
+
+cudaError_t LaunchGatherRows(const GatherRowsArgs& a, cudaStream_t stream) {
+  uintptr_t addresses = 0;
+  for (int n = 0; n < a.num_arrays; ++n)
+    addresses |= reinterpret_cast<uintptr_t>(a.x[n]) | reinterpret_cast<uintptr_t>(a.out[n]);
+  if (a.num_arrays < 1 || a.num_arrays > kMaxGatherArrays || a.top_k < 1 || a.row_bytes % 16 != 0 ||
+      addresses % 16 != 0 || a.num_rows < 0 || a.num_tokens < 0)
+    return cudaErrorInvalidValue;
+  const int64_t token_blocks = (a.num_tokens * (a.row_bytes / 16) + kThreads - 1) / kThreads;
+  const int64_t blocks = token_blocks + (a.num_rows + kWarps - 1) / kWarps;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  GatherRowsKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a, token_blocks);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchPermute(const PermuteArgs& a, cudaStream_t stream) {
   const uintptr_t addresses = reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.permuted);

@@ -51,9 +51,25 @@ struct UnpermuteGradArgs {
   FloatType row_type, weight_type;
 };
 
+// permute's rows made again from their routes, for a backward that recomputes them rather than
+// keep them: out_i[dest_index[t, j]] = x_i[t] for each array i, and zero rows where no route
+// points (src_index[r] = -1: padding, rows past the live ones). src_index must be dest_index's
+// inverse (ops.invert_dest). Each token's row is read once and written to its k rows, one launch
+// for up to kMaxGatherArrays arrays of one row size, 16-byte vectors.
+constexpr int kMaxGatherArrays = 4;
+struct GatherRowsArgs {
+  const void* x[kMaxGatherArrays];  // [T, row_bytes] each
+  void* out[kMaxGatherArrays];      // [R, row_bytes] each
+  int num_arrays;
+  const int32_t* dest_index;        // [T, top_k]: each route's row, or -1 (dropped)
+  const int32_t* src_index;         // [R]: the flat route t * top_k + j of each row, or -1
+  int64_t num_tokens, top_k, num_rows, row_bytes;  // row_bytes a multiple of 16
+};
+
 cudaError_t LaunchPermute(const PermuteArgs& args, cudaStream_t stream);
 cudaError_t LaunchUnpermute(const UnpermuteArgs& args, cudaStream_t stream);
 cudaError_t LaunchUnpermuteGrad(const UnpermuteGradArgs& args, cudaStream_t stream);
+cudaError_t LaunchGatherRows(const GatherRowsArgs& args, cudaStream_t stream);
 
 }  // namespace jax_moe
 

@@ -17,8 +17,9 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
     handlers["jax_moe_permute"] = Capsule(JaxMoePermuteCuda);
     handlers["jax_moe_unpermute"] = Capsule(JaxMoeUnpermuteCuda);
     handlers["jax_moe_unpermute_grad"] = Capsule(JaxMoeUnpermuteGradCuda);
+    handlers["jax_moe_gather_rows"] = Capsule(JaxMoeGatherRowsCuda);
     handlers["jax_moe_grouped_matmul"] = Capsule(JaxMoeGroupedMatmulCuda);
-    handlers["jax_moe_weight_grad_into"] = Capsule(JaxMoeWeightGradIntoCuda);
+    handlers["jax_moe_grouped_matmul_into"] = Capsule(JaxMoeGroupedMatmulIntoCuda);
     handlers["jax_moe_decode_matmul"] = Capsule(JaxMoeDecodeMatmulCuda);
     handlers["jax_moe_decode_matmul_fp8"] = Capsule(JaxMoeDecodeMatmulFp8Cuda);
     handlers["jax_moe_swiglu_backward"] = Capsule(JaxMoeSwigluBackwardCuda);

@@ -121,6 +121,40 @@ ffi::Error UnpermuteGradImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::Any
   return CudaStatus(LaunchUnpermuteGrad(args, stream), "jax_moe unpermute_grad");
 }
 
+// permute's rows made again from their routes (gpu_kernels.h): dest_index [T, k] and its inverse
+// src_index [R] int32, then n arrays x_i [T, H] and n results out_i [R, H] of one dtype, rows a
+// multiple of 16 bytes.
+ffi::Error GatherRowsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> dest_index, ffi::Buffer<ffi::S32> src_index,
+                          ffi::RemainingArgs xs, ffi::RemainingRets outs) {
+  const int64_t count = static_cast<int64_t>(xs.size());
+  const auto dd = dest_index.dimensions();
+  if (count < 1 || count > kMaxGatherArrays || static_cast<int64_t>(outs.size()) != count || dd.size() != 2 ||
+      dd[1] < 1)
+    return InvalidArgument("gather_rows: expected dest_index [T, k], 1 to 4 arrays and as many results");
+  GatherRowsArgs args{};
+  args.num_arrays = static_cast<int>(count);
+  args.dest_index = dest_index.typed_data();
+  args.src_index = src_index.typed_data();
+  args.top_k = dd[1];
+  args.num_rows = static_cast<int64_t>(src_index.element_count());
+  for (int64_t n = 0; n < count; ++n) {
+    ffi::ErrorOr<ffi::AnyBuffer> x = xs.get<ffi::AnyBuffer>(n);
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = outs.get<ffi::AnyBuffer>(n);
+    if (!x.has_value() || !out.has_value()) return InvalidArgument("gather_rows: expected buffers");
+    const auto xd = x->dimensions();
+    const auto od = (*out)->dimensions();
+    const int64_t row_bytes = xd.size() == 2 ? xd[1] * static_cast<int64_t>(ffi::ByteWidth(x->element_type())) : -1;
+    if (xd.size() != 2 || od.size() != 2 || xd[0] != dd[0] || od[0] != args.num_rows || od[1] != xd[1] ||
+        (*out)->element_type() != x->element_type() || (n > 0 && row_bytes != args.row_bytes) || row_bytes % 16 != 0)
+      return InvalidArgument("gather_rows: expected arrays [T, H] of one shape, results [R, H] of their dtype, "
+                             "rows a multiple of 16 bytes");
+    args.num_tokens = xd[0], args.row_bytes = row_bytes;
+    args.x[n] = x->untyped_data();
+    args.out[n] = (*out)->untyped_data();
+  }
+  return CudaStatus(LaunchGatherRows(args, stream), "jax_moe gather_rows");
+}
+
 // Launches a grouped GEMM whose op, tile and sizes `args` already holds, on these operands. The
 // per-group arguments go in `workspace` from its first 128-byte boundary (a temporary buffer of
 // XLA's may sit at a smaller alignment); GroupedGemmWorkspaceBytes counts that slack.
@@ -183,28 +217,51 @@ ffi::Error GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
                            workspace->size_bytes(), stream);
 }
 
-// The weight gradient of grouped_gemm.h written into slice `layer` of a stacked gradient (aliased
-// in and out): the step of a training loop over layers, with no per-layer buffer to copy.
-//   a = rows [R, K], b = d_out [R, N], stack [L, El, K, N], layer s32[] (read on the device)
-ffi::Error WeightGradIntoImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                              ffi::Buffer<ffi::S32> expert_offsets, ffi::Buffer<ffi::S32>, ffi::AnyBuffer,
-                              ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> stack,
-                              ffi::Result<ffi::Buffer<ffi::S32>> workspace) {
+// A grouped GEMM of grouped_gemm.h written into one slice of a stack (aliased in and out), its
+// result flattened at element `offset` of slice `layer`: a training loop's per-layer result with
+// no per-layer buffer to copy (the weight gradients into the stacked gradient, the forward's
+// gate/up product into the buffer that keeps it for the backward).
+//   op forward:     a = rows [R, K], b = weights [El, K, N], result [out_rows, N] (out_rows <= R)
+//   op weight grad: a = rows [R, K], b = d_out [R, N],       result [El, K, N]
+//   stack [L, ...] of bf16, layer s32[] (read on the device, clamped to [0, L))
+ffi::Error GroupedMatmulIntoImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                                 ffi::Buffer<ffi::S32> expert_offsets, ffi::Buffer<ffi::S32>, ffi::AnyBuffer,
+                                 ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> stack,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> workspace, int64_t tile, int64_t op,
+                                 int64_t out_rows, int64_t offset) {
   const auto ad = a.dimensions();
   const auto bd = b.dimensions();
   const auto sd = stack->dimensions();
-  if (a.element_type() != ffi::BF16 || b.element_type() != ffi::BF16 || stack->element_type() != ffi::BF16)
-    return InvalidArgument("grouped_matmul weight_grad_into: expected bf16 operands");
-  if (ad.size() != 2 || bd.size() != 2 || sd.size() != 4 || bd[0] != ad[0] || sd[2] != ad[1] || sd[3] != bd[1] ||
-      layer.element_count() != 1 || static_cast<int64_t>(expert_offsets.element_count()) != sd[1] + 1)
-    return InvalidArgument("grouped_matmul weight_grad_into: expected rows [R, K], d_out [R, N], a stack "
-                           "[L, El, K, N], expert_offsets [El + 1] and a scalar layer");
+  if (a.element_type() != ffi::BF16 || b.element_type() != ffi::BF16 || stack->element_type() != ffi::BF16 ||
+      !IsGemmTile(tile))
+    return InvalidArgument("grouped_matmul_into: expected bf16 operands and stack, and a known tile");
   GroupedGemmArgs args;
-  args.op = GemmOp::kWeightGrad;
-  args.tile = GemmTile::kLargeM;
-  args.num_groups = sd[1], args.k = sd[2], args.n = sd[3], args.out_rows = ad[0];
+  args.op = static_cast<GemmOp>(op);
+  args.num_groups = static_cast<int64_t>(expert_offsets.element_count()) - 1;
+  bool shapes_ok = ad.size() == 2 && sd.size() >= 1 && sd[0] >= 1 && layer.element_count() == 1 && args.num_groups >= 1;
+  int64_t result = 0;
+  if (args.op == GemmOp::kForward) {  // rows [R, K], weights [El, K, N]
+    shapes_ok = shapes_ok && bd.size() == 3 && bd[0] == args.num_groups && bd[1] == ad[1] && out_rows >= 0 &&
+                out_rows <= ad[0];
+    if (shapes_ok) args.k = bd[1], args.n = bd[2], args.out_rows = out_rows, result = out_rows * bd[2];
+    args.tile = static_cast<GemmTile>(tile);
+  } else if (args.op == GemmOp::kWeightGrad) {  // rows [R, K], d_out [R, N]
+    shapes_ok = shapes_ok && bd.size() == 2 && bd[0] == ad[0];
+    if (shapes_ok) args.k = ad[1], args.n = bd[1], args.out_rows = ad[0], result = args.num_groups * ad[1] * bd[1];
+    args.tile = GemmTile::kLargeM;
+  } else {
+    return InvalidArgument("grouped_matmul_into: op must be forward or weight grad");
+  }
+  if (!shapes_ok)
+    return InvalidArgument("grouped_matmul_into: expected rows [R, K], weights [El, K, N] (forward) or d_out "
+                           "[R, N] (weight grad), expert_offsets [El + 1], a stack [L, ...] and a scalar layer");
   args.out_layer = layer.typed_data();
   args.out_layers = sd[0];
+  args.out_layer_elements = static_cast<int64_t>(stack->element_count()) / sd[0];
+  args.out_offset = offset;
+  if (offset < 0 || offset % kGemmAlignElements != 0 || offset + result > args.out_layer_elements)
+    return InvalidArgument("grouped_matmul_into: the result must fit in one slice of the stack at offset, "
+                           "a multiple of 8 elements");
   return LaunchOnWorkspace(args, a, b, expert_offsets, stack->untyped_data(), workspace->untyped_data(),
                            workspace->size_bytes(), stream);
 }
@@ -262,22 +319,39 @@ ffi::Error DecodeMatmulFp8Impl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::An
   return RunDecodeMatmul(stream, rows, weights, scale_inv.typed_data(), expert_offsets, out, gated, rows_per_pass);
 }
 
+// SwiGLU's backward (swiglu_kernels.h). hidden [R, 2F], or with `stacked` a stack [L, ...] whose
+// slice `layer` (a scalar read on the device) holds the [R, 2F] product flattened at element
+// `offset`; d_activated [R, F]; row_weights [R] when weighted.
 ffi::Error SwigluBackwardImpl(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::AnyBuffer d_activated,
-                              ffi::Buffer<ffi::F32> row_weights, ffi::Result<ffi::AnyBuffer> activated,
-                              ffi::Result<ffi::AnyBuffer> d_hidden, ffi::Result<ffi::Buffer<ffi::F32>> d_row_weights,
-                              bool weighted) {
+                              ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> layer,
+                              ffi::Result<ffi::AnyBuffer> activated, ffi::Result<ffi::AnyBuffer> d_hidden,
+                              ffi::Result<ffi::Buffer<ffi::F32>> d_row_weights, bool weighted, bool stacked,
+                              int64_t offset) {
   const auto hd = hidden.dimensions();
   const auto dd = d_activated.dimensions();
-  if (hd.size() != 2 || dd.size() != 2 || hd[0] != dd[0] || hd[1] != 2 * dd[1] || dd[1] % 8 != 0 ||
-      hidden.element_type() != ffi::BF16 || d_activated.element_type() != ffi::BF16 ||
-      activated->element_type() != ffi::BF16 || d_hidden->element_type() != ffi::BF16 ||
-      activated->element_count() != d_activated.element_count() || d_hidden->element_count() != hidden.element_count() ||
-      (weighted && (static_cast<int64_t>(row_weights.element_count()) != hd[0] ||
-                    static_cast<int64_t>(d_row_weights->element_count()) != hd[0])))
-    return InvalidArgument("swiglu_backward: expected bf16 hidden [R, 2F], d_activated [R, F] (F a multiple of 8), "
-                           "and row_weights [R] when weighted");
+  const int64_t rows = dd.size() == 2 ? dd[0] : -1, ffn = dd.size() == 2 ? dd[1] : -1;
+  const bool hidden_ok = stacked ? hd.size() >= 1 && hd[0] >= 1 && layer.element_count() == 1
+                                 : hd.size() == 2 && hd[0] == rows && hd[1] == 2 * ffn;
+  if (!hidden_ok || dd.size() != 2 || ffn % 8 != 0 || hidden.element_type() != ffi::BF16 ||
+      d_activated.element_type() != ffi::BF16 || activated->element_type() != ffi::BF16 ||
+      d_hidden->element_type() != ffi::BF16 || activated->element_count() != d_activated.element_count() ||
+      static_cast<int64_t>(d_hidden->element_count()) != 2 * rows * ffn ||
+      (weighted && (static_cast<int64_t>(row_weights.element_count()) != rows ||
+                    static_cast<int64_t>(d_row_weights->element_count()) != rows)))
+    return InvalidArgument("swiglu_backward: expected bf16 hidden [R, 2F] (or a stack of it), d_activated [R, F] "
+                           "(F a multiple of 8), and row_weights [R] when weighted");
   SwigluBackwardArgs args{hidden.untyped_data(), d_activated.untyped_data(), weighted ? row_weights.typed_data() : nullptr,
-                          activated->untyped_data(), d_hidden->untyped_data(), d_row_weights->typed_data(), hd[0], dd[1]};
+                          activated->untyped_data(), d_hidden->untyped_data(), d_row_weights->typed_data(), rows, ffn};
+  if (stacked) {
+    args.hidden_layer = layer.typed_data();
+    args.hidden_layers = hd[0];
+    args.hidden_layer_elements = static_cast<int64_t>(hidden.element_count()) / hd[0];
+    args.hidden_offset = offset;
+    if (offset < 0 || offset % 8 != 0 || args.hidden_layer_elements % 8 != 0 ||
+        offset + 2 * rows * ffn > args.hidden_layer_elements)
+      return InvalidArgument("swiglu_backward: the [R, 2F] product must fit in one slice of the stack at offset, "
+                             "a multiple of 8 elements");
+  }
   return CudaStatus(LaunchSwigluBackward(args, stream), "jax_moe swiglu_backward");
 }
 
@@ -312,6 +386,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteGradCuda, jax_moe::UnpermuteGradImp
                               jax_moe::BindUnpermuteGrad(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeGatherRowsCuda, jax_moe::GatherRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // dest_index [T, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // src_index [R], its inverse
+                                  .RemainingArgs()                     // x_i [T, H]
+                                  .RemainingRets(),                    // out_i [R, H]
+                              {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeGroupedMatmulCuda, jax_moe::GroupedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -325,17 +408,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeGroupedMatmulCuda, jax_moe::GroupedMatmulImp
                                   .Attr<int64_t>("op"),                // GemmOp
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeWeightGradIntoCuda, jax_moe::WeightGradIntoImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeGroupedMatmulIntoCuda, jax_moe::GroupedMatmulIntoImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // rows [R, K], bf16
-                                  .Arg<ffi::AnyBuffer>()               // d_out [R, N], bf16
+                                  .Arg<ffi::AnyBuffer>()               // a: rows [R, K], bf16
+                                  .Arg<ffi::AnyBuffer>()               // b: weights or d_out, bf16
                                   .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
-                                  .Arg<ffi::AnyBuffer>()               // stack [L, El, K, N] (aliased)
+                                  .Arg<ffi::AnyBuffer>()               // stack [L, ...] (aliased)
                                   .Arg<ffi::Buffer<ffi::S32>>()        // layer, a scalar
                                   .Ret<ffi::AnyBuffer>()               // stack, slice layer written
-                                  .Ret<ffi::Buffer<ffi::S32>>(),       // workspace
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // workspace
+                                  .Attr<int64_t>("tile")               // GemmTile (forward)
+                                  .Attr<int64_t>("op")                 // GemmOp: forward or weight grad
+                                  .Attr<int64_t>("out_rows")           // forward: the result's rows
+                                  .Attr<int64_t>("offset"),            // element of the slice
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeMatmulCuda, jax_moe::DecodeMatmulImpl,
@@ -364,13 +451,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeMatmulFp8Cuda, jax_moe::DecodeMatmulFp
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeSwigluBackwardCuda, jax_moe::SwigluBackwardImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // hidden [R, 2F], bf16
+                                  .Arg<ffi::AnyBuffer>()               // hidden [R, 2F] (or its stack), bf16
                                   .Arg<ffi::AnyBuffer>()               // d_activated [R, F], bf16
                                   .Arg<ffi::Buffer<ffi::F32>>()        // row_weights [R] ([1] unweighted)
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // layer, a scalar (stacked)
                                   .Ret<ffi::AnyBuffer>()               // activated [R, F], bf16
                                   .Ret<ffi::AnyBuffer>()               // d_hidden [R, 2F], bf16
                                   .Ret<ffi::Buffer<ffi::F32>>()        // d_row_weights [R] ([1] unweighted)
-                                  .Attr<bool>("weighted"),
+                                  .Attr<bool>("weighted")
+                                  .Attr<bool>("stacked")               // hidden is a stack's slice
+                                  .Attr<int64_t>("offset"),            // hidden's element in it
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeNoopCuda, jax_moe::NoopImpl,

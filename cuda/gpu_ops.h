@@ -8,8 +8,9 @@ extern "C" {
 XLA_FFI_Error* JaxMoePermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteGradCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeGatherRowsCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeGroupedMatmulCuda(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxMoeWeightGradIntoCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeGroupedMatmulIntoCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeMatmulCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeMatmulFp8Cuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeSwigluBackwardCuda(XLA_FFI_CallFrame* call_frame);

@@ -36,8 +36,8 @@ struct SetupParams {
   Element* out;
   char* workspace;
   int64_t out_rows, num_groups, k, n;
-  const int32_t* out_layer;  // GroupedGemmArgs::out_layer
-  int64_t out_layers;
+  const int32_t* out_layer;  // GroupedGemmArgs::out_layer and the slice it picks
+  int64_t out_layers, out_layer_elements, out_offset;
 };
 
 __device__ int64_t Clamp(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
@@ -66,7 +66,7 @@ __global__ void SetupKernel(SetupParams p) {
   const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   Element* const out = p.out_layer == nullptr
                            ? p.out
-                           : p.out + Clamp(*p.out_layer, 0, p.out_layers - 1) * p.num_groups * p.k * p.n;
+                           : p.out + Clamp(*p.out_layer, 0, p.out_layers - 1) * p.out_layer_elements + p.out_offset;
   for (int64_t g = thread; g < p.num_groups; g += threads) {
     int64_t start, end;
     GroupRows(p, g, &start, &end);
@@ -147,7 +147,8 @@ template <GemmOp kOp>
 cudaError_t LaunchSetup(const GroupedGemmArgs& args, cudaStream_t stream) {
   SetupParams setup{static_cast<const Element*>(args.a), static_cast<const Element*>(args.b), args.expert_offsets,
                     static_cast<Element*>(args.out), static_cast<char*>(args.workspace), args.out_rows,
-                    args.num_groups, args.k, args.n, args.out_layer, args.out_layers};
+                    args.num_groups, args.k, args.n, args.out_layer, args.out_layers,
+                    args.out_layer_elements, args.out_offset};
   // Enough threads for the zeroing the op may need (its extent is known only on the device).
   const int64_t zeroed = kOp == GemmOp::kWeightGrad ? args.k * args.n
                                                     : args.out_rows * (kOp == GemmOp::kForward ? args.n : args.k);
@@ -179,6 +180,13 @@ cudaError_t LaunchGroupedGemm(const GroupedGemmArgs& args, cudaStream_t stream) 
   const int sm_count = SmCount();
   if (sm_count <= 0) return cudaErrorInvalidDevice;
   if (!IsGemmTile(static_cast<int64_t>(args.tile))) return cudaErrorInvalidValue;
+  if (args.out_layer != nullptr) {  // the result must fit in one slice of the stack, 16-byte aligned
+    const int64_t result = args.op == GemmOp::kWeightGrad ? args.num_groups * args.k * args.n
+                                                          : args.out_rows * (args.op == GemmOp::kForward ? args.n : args.k);
+    if (args.out_layers < 1 || args.out_offset < 0 || args.out_offset % kGemmAlignElements != 0 ||
+        args.out_layer_elements % kGemmAlignElements != 0 || args.out_offset + result > args.out_layer_elements)
+      return cudaErrorInvalidValue;
+  }
   cudaError_t status = cudaSuccess;
   switch (args.op) {
     case GemmOp::kForward:

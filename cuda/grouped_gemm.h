@@ -55,11 +55,15 @@ struct GroupedGemmArgs {
                                   // that no group covers are zero
   void* workspace;                // workspace_bytes, 128-byte aligned (the handler aligns it up)
   size_t workspace_bytes;
-  // Weight grad only, else null: out is a stack [out_layers, El, K, N] and the result goes to its
-  // slice *out_layer (read on the device, clamped to the stack), so a training loop writes each
-  // layer's gradient straight into the stacked gradient.
+  // Null, or out is a stack [out_layers, out_layer_elements] and the result (flattened) goes to
+  // element out_offset of its slice *out_layer (read on the device, clamped to the stack): a
+  // training loop writes each layer's weight gradient straight into the stacked gradient, and the
+  // forward's gate/up product into the buffer that keeps it for the backward. The caller checks
+  // that the result fits in a slice and that out_offset is a multiple of 8 (16-byte TMA stores).
   const int32_t* out_layer = nullptr;
   int64_t out_layers = 1;
+  int64_t out_layer_elements = 0;
+  int64_t out_offset = 0;
   int64_t out_rows;               // row bound of the groups (offsets are clamped to it)
   int64_t num_groups, k, n;       // El and the forward product's K and N
   GemmOp op;

@@ -21,7 +21,12 @@ __global__ void __launch_bounds__(kThreads) SwigluBackwardKernel(SwigluBackwardA
   if (row >= a.rows) return;
   const int lane = threadIdx.x & 31;
   const int64_t vectors = a.ffn / 8;
-  const uint4* hidden = static_cast<const uint4*>(a.hidden) + row * 2 * vectors;
+  const __nv_bfloat16* hidden_base = static_cast<const __nv_bfloat16*>(a.hidden);
+  if (a.hidden_layer != nullptr) {
+    const int64_t layer = min(max(static_cast<int64_t>(*a.hidden_layer), int64_t{0}), a.hidden_layers - 1);
+    hidden_base += layer * a.hidden_layer_elements + a.hidden_offset;
+  }
+  const uint4* hidden = reinterpret_cast<const uint4*>(hidden_base) + row * 2 * vectors;
   const uint4* d_activated = static_cast<const uint4*>(a.d_activated) + row * vectors;
   uint4* activated = static_cast<uint4*>(a.activated) + row * vectors;
   uint4* d_hidden = static_cast<uint4*>(a.d_hidden) + row * 2 * vectors;
@@ -62,6 +67,10 @@ __global__ void __launch_bounds__(kThreads) SwigluBackwardKernel(SwigluBackwardA
 
 cudaError_t LaunchSwigluBackward(const SwigluBackwardArgs& args, cudaStream_t stream) {
   if (args.ffn < 8 || args.ffn % 8 != 0 || args.rows < 0) return cudaErrorInvalidValue;
+  if (args.hidden_layer != nullptr &&
+      (args.hidden_layers < 1 || args.hidden_offset < 0 || args.hidden_offset % 8 != 0 ||
+       args.hidden_layer_elements % 8 != 0 || args.hidden_offset + args.rows * 2 * args.ffn > args.hidden_layer_elements))
+    return cudaErrorInvalidValue;
   if (args.rows == 0) return cudaSuccess;
   const int64_t blocks = (args.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;

@@ -8,6 +8,8 @@
 // in float32 from the bf16 inputs. One pass over the inputs, where XLA's fusions of the same math
 // read them three times. Deterministic: each row's sum runs in a fixed order. In place allowed:
 // activated may be d_activated and d_hidden may be hidden (each thread reads its vectors first).
+// hidden may also be read from a slice of a stack chosen on the device (the training loop's saved
+// activations, kept inside the gate/up gradient's buffer): no copy of it out first.
 #ifndef JAX_MOE_SWIGLU_KERNELS_H_
 #define JAX_MOE_SWIGLU_KERNELS_H_
 
@@ -18,13 +20,18 @@
 namespace jax_moe {
 
 struct SwigluBackwardArgs {
-  const void* hidden;           // [R, 2F] bf16
+  const void* hidden;           // [R, 2F] bf16, or a stack holding it (hidden_layer below)
   const void* d_activated;      // [R, F] bf16
   const float* row_weights;     // [R], or nullptr
   void* activated;              // [R, F] bf16
   void* d_hidden;               // [R, 2F] bf16
   float* d_row_weights;         // [R] when row_weights is given, else unused
   int64_t rows, ffn;            // R and F (a multiple of 8)
+  // Null, or hidden is a stack [hidden_layers, hidden_layer_elements] and the [R, 2F] product sits
+  // flattened at element hidden_offset (a multiple of 8) of slice *hidden_layer (read on the
+  // device, clamped). The caller checks that it fits in a slice.
+  const int32_t* hidden_layer = nullptr;
+  int64_t hidden_layers = 1, hidden_layer_elements = 0, hidden_offset = 0;
 };
 
 cudaError_t LaunchSwigluBackward(const SwigluBackwardArgs& args, cudaStream_t stream);

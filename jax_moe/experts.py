@@ -22,6 +22,7 @@ from jax import lax
 
 from jax_moe import fp8, gemm
 from jax_moe.gemm import gated_silu
+from jax_moe.ops import read_from
 from jax_moe.routing import dot_f32
 from jax_moe.scratch import MoEScratch
 
@@ -115,13 +116,19 @@ _shared_swiglu_decode.defvjp(_shared_swiglu_decode_fwd, _shared_swiglu_decode_bw
 
 
 def swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows: int, tile: int,
-                           keep_hidden: bool = True, group_rows: int | None = None):
+                           keep_hidden: bool = True, group_rows: int | None = None, hidden_into=None):
     """``(out [num_rows, H], workspace, hidden [num_rows, 2F] or None)``: the grouped SwiGLU, no autodiff rule.
 
     ``keep_hidden=False`` (no backward to come) lets the decode tile fold the activation into the
-    gate/up GEMM, and hidden comes back None. group_rows: ``gemm.forward``'s.
+    gate/up GEMM, and hidden comes back None. group_rows: ``gemm.forward``'s. hidden_into: optional
+    ``(stack, layer, offset)``: the gate/up GEMM writes hidden there (``gemm.forward_into``) and
+    the stack comes back in hidden's place.
     """
-    if keep_hidden:
+    if hidden_into is not None:
+        stack, layer, offset = hidden_into
+        hidden, workspace = gemm.forward_into(rows, gate_up, offsets, workspace, num_rows, tile, stack, layer, offset)
+        activated = gated_silu(read_from(hidden, layer, (num_rows, gate_up.shape[2]), offset), rows.dtype)
+    elif keep_hidden:
         hidden, workspace = gemm.forward(rows, gate_up, offsets, workspace, num_rows, tile, group_rows)
         activated = gated_silu(hidden, rows.dtype)
     else:
@@ -176,12 +183,13 @@ def swiglu_grouped_grad(rows, hidden, offsets, gate_up, down, d_out, num_rows: i
 
 
 def swiglu_grouped_grad_but_gate_up(hidden, offsets, gate_up, down, d_out, num_rows: int, tile: int,
-                                    down_stack=None, layer=None, row_weights=None):
+                                    down_stack=None, layer=None, row_weights=None, hidden_at=None):
     """``swiglu_grouped_grad`` without its last GEMM, the gate/up weight gradient rows^T @ d_hidden.
 
     For a caller that must order that GEMM after other work (``jax_moe.stack`` keeps activations
     in the buffer it writes). ``d_out`` in hidden's dtype; ``down_stack``/``layer`` as ``stacks[1]``
-    there.
+    there. hidden_at: optional ``(stack, layer, offset)`` holding hidden instead (``hidden`` None),
+    read there by the activation's backward (``gemm.swiglu_backward``).
 
     row_weights: optional [num_rows] float32 w_r, when the cotangent is that of the weighted rows
     w_r * out_r and ``d_out`` is given unweighted (unpermute's combine: d_out[r] = d y[token of r]).
@@ -196,7 +204,12 @@ def swiglu_grouped_grad_but_gate_up(hidden, offsets, gate_up, down, d_out, num_r
     workspace = gemm.backward_workspace(num_groups)
     d_activated, workspace = gemm.input_grad(d_out, down, offsets, workspace, num_rows, tile)
     # The weights scale the [R, F] side of the down weight gradient: sum_r (w_r act_r)^T d_out_r.
-    activated, d_hidden, d_row_weights = gemm.swiglu_backward(hidden, d_activated, row_weights)
+    if hidden_at is None:
+        activated, d_hidden, d_row_weights = gemm.swiglu_backward(hidden, d_activated, row_weights)
+    else:
+        stack, at_layer, offset = hidden_at
+        activated, d_hidden, d_row_weights = gemm.swiglu_backward(stack, d_activated, row_weights, layer=at_layer,
+                                                                  offset=offset)
     if down_stack is None:
         d_down, workspace = gemm.weight_grad(activated, d_out, offsets, workspace, num_groups)
     else:

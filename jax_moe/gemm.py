@@ -24,7 +24,7 @@ from jax import lax
 
 from jax_moe import _native, fp8
 from jax_moe._validate import check_grouped_matmul_args
-from jax_moe.ops import fence_results
+from jax_moe.ops import fence_results, read_from, write_into
 from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, MoEScratch
 
 # Tile configurations of cuda/grouped_gemm.h (GemmTile), by the rows each expert expects: 64 x 128
@@ -163,7 +163,8 @@ def _swiglu_backward_xla(h, d, w):
     return activated, d_hidden, d_w
 
 
-def swiglu_backward(hidden: jax.Array, d_activated: jax.Array, row_weights: jax.Array | None = None):
+def swiglu_backward(hidden: jax.Array, d_activated: jax.Array, row_weights: jax.Array | None = None, *,
+                    layer=None, offset: int = 0):
     """The SwiGLU activation's backward, with the activation the down weight gradient needs.
 
     Args:
@@ -171,6 +172,8 @@ def swiglu_backward(hidden: jax.Array, d_activated: jax.Array, row_weights: jax.
         activation's cotangent (hidden's dtype).
       row_weights: optional [R] float32 w_r when the rows' outputs were weighted (w_r * out_r) and
         ``d_activated`` is the cotangent of the unweighted output's activation.
+      layer, offset: with layer (an int32 scalar) hidden is a stack [L, ...] whose slice ``layer``
+        holds the product at element ``offset`` (``forward_into``'s); the kernel reads it there.
 
     Returns:
       ``(activated [R, F], d_hidden [R, 2F], d_row_weights [R] float32 or None)``: the activation
@@ -179,26 +182,40 @@ def swiglu_backward(hidden: jax.Array, d_activated: jax.Array, row_weights: jax.
       float32 math. On a GPU with bf16 and F a multiple of 8, one CUDA kernel
       (cuda/swiglu_kernels.h); XLA's fusions of the same math otherwise.
     """
-    ffn = d_activated.shape[-1]
-    if hidden.dtype != jnp.bfloat16 or d_activated.dtype != jnp.bfloat16 or ffn % 8:
-        return _swiglu_backward_xla(hidden, d_activated, row_weights)
-    weighted = row_weights is not None
+    rows, ffn = d_activated.shape
+    stacked = layer is not None
+    if stacked:
+        layer = jnp.asarray(layer, jnp.int32)
+        if offset % 8 or offset < 0 or offset + rows * 2 * ffn > math.prod(hidden.shape[1:]):
+            raise ValueError(f"swiglu_backward: offset: expected a multiple of 8 with offset + R * 2F <= "
+                             f"{math.prod(hidden.shape[1:])} (one slice of the stack), got offset {offset} and "
+                             f"{rows} x {2 * ffn}")
 
-    def native(h, d, w):
-        rows = h.shape[0]
+    def fallback(h, d, w, i):
+        h = read_from(h, i, (rows, 2 * ffn), offset) if stacked else h
+        return _swiglu_backward_xla(h, d, w)
+
+    weighted = row_weights is not None
+    weights = row_weights.astype(jnp.float32) if weighted else None
+    if hidden.dtype != jnp.bfloat16 or d_activated.dtype != jnp.bfloat16 or ffn % 8:
+        return fallback(hidden, d_activated, weights, layer)
+
+    def native(h, d, w, i):
         call = jax.ffi.ffi_call(
             _native.SWIGLU_BACKWARD_TARGET,
-            (jax.ShapeDtypeStruct(d.shape, d.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype),
+            (jax.ShapeDtypeStruct(d.shape, d.dtype), jax.ShapeDtypeStruct((rows, 2 * ffn), h.dtype),
              jax.ShapeDtypeStruct((rows if weighted else 1,), jnp.float32)),
             # In place: each thread reads its vectors of d_activated and hidden before writing
-            # activated and d_hidden over them, so the backward allocates neither.
-            input_output_aliases={1: 0, 0: 1},
+            # activated and d_hidden over them, so the backward allocates neither (d_hidden gets a
+            # buffer of its own when hidden is read from a stack).
+            input_output_aliases={1: 0} if stacked else {1: 0, 0: 1},
             vmap_method="sequential")
-        activated, d_hidden, d_w = call(h, d, w if weighted else jnp.zeros((1,), jnp.float32), weighted=weighted)
+        activated, d_hidden, d_w = call(h, d, w if weighted else jnp.zeros((1,), jnp.float32),
+                                        i if stacked else jnp.zeros((), jnp.int32), weighted=weighted,
+                                        stacked=stacked, offset=np.int64(offset))
         return activated, d_hidden, d_w if weighted else None
 
-    weights = row_weights.astype(jnp.float32) if weighted else None
-    return _on_cuda(native, _swiglu_backward_xla, hidden, d_activated, weights)
+    return _on_cuda(native, fallback, hidden, d_activated, weights, layer)
 
 
 def _on_cuda(native, fallback, *args):
@@ -320,6 +337,16 @@ def weight_grad(rows, d_out, offsets, workspace, num_groups: int):
                     fallback, rows, d_out, offsets, workspace)
 
 
+def _into_call(op, a, b, offsets, workspace, stack, layer, tile, out_rows, offset):
+    call = jax.ffi.ffi_call(
+        _native.GROUPED_MATMUL_INTO_TARGET,
+        (jax.ShapeDtypeStruct(stack.shape, stack.dtype), jax.ShapeDtypeStruct(workspace.shape, workspace.dtype)),
+        input_output_aliases={4: 0, 3: 1},
+        vmap_method="sequential")
+    return fence_results(call(a, b, offsets, workspace, stack, layer, tile=np.int64(tile), op=np.int64(op),
+                              out_rows=np.int64(out_rows), offset=np.int64(offset)))
+
+
 def weight_grad_into(rows, d_out, offsets, workspace, stack, layer):
     """``weight_grad`` written into slice ``layer`` of a stacked gradient ``stack`` [L, El, K, N].
 
@@ -332,19 +359,42 @@ def weight_grad_into(rows, d_out, offsets, workspace, stack, layer):
 
     def fallback(r, g, o, ws, s, i):
         d_weights, ws = weight_grad(r, g, o, ws, s.shape[1])
-        return lax.dynamic_update_index_in_dim(s, d_weights.astype(s.dtype), i, 0), ws
+        return write_into(s, i, d_weights, 0), ws
 
     def native(r, g, o, ws, s, i):
-        call = jax.ffi.ffi_call(
-            _native.WEIGHT_GRAD_INTO_TARGET,
-            (jax.ShapeDtypeStruct(s.shape, s.dtype), jax.ShapeDtypeStruct(ws.shape, ws.dtype)),
-            input_output_aliases={4: 0, 3: 1},
-            vmap_method="sequential")
-        return fence_results(call(r, g, o, ws, s, i))
+        return _into_call(WEIGHT_GRAD, r, g, o, ws, s, i, LARGE_M_TILE, r.shape[0], 0)
 
     if stack.dtype != rows.dtype:  # the kernel writes its result's dtype: no conversion in place
         return fallback(rows, d_out, offsets, workspace, stack, layer)
     return _on_cuda(native, fallback, rows, d_out, offsets, workspace, stack, layer)
+
+
+def forward_into(rows, weights, offsets, workspace, num_rows: int, tile: int, stack, layer, offset: int):
+    """``forward``'s out [num_rows, N] written flattened at element ``offset`` of slice ``layer`` of
+    ``stack`` [L, ...] (``ops.read_from`` gives it back). Returns ``(stack, workspace)``.
+
+    On a GPU with a bf16 stack the GEMM stores into the slice itself (stack aliased in and out; the
+    decode tile runs as the 64-row one): a training loop keeps each layer's gate/up product where
+    the backward reads it, with no copy. offset: a multiple of 8; the result must fit in a slice.
+    """
+    layer = jnp.asarray(layer, jnp.int32)
+    n = weights.shape[2]
+    if offset % 8 or offset < 0 or offset + num_rows * n > math.prod(stack.shape[1:]):
+        raise ValueError(f"forward_into: offset: expected a multiple of 8 with offset + num_rows * N <= "
+                         f"{math.prod(stack.shape[1:])} (one slice of the stack), got offset {offset} and "
+                         f"{num_rows} x {n}")
+
+    def fallback(r, w, o, ws, s, i):
+        out, ws = forward(r, w, o, ws, num_rows, SMALL_M_TILE if tile == DECODE_TILE else tile)
+        return write_into(s, i, out, offset), ws
+
+    def native(r, w, o, ws, s, i):
+        return _into_call(FORWARD, r, w, o, ws, s, i, SMALL_M_TILE if tile == DECODE_TILE else tile, num_rows,
+                          offset)
+
+    if stack.dtype != rows.dtype:
+        return fallback(rows, weights, offsets, workspace, stack, layer)
+    return _on_cuda(native, fallback, rows, weights, offsets, workspace, stack, layer)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

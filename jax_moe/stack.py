@@ -7,7 +7,8 @@ of the scan.
 
 On a GPU the activations the forward keeps for the backward ride in the gate/up weight
 gradient's own buffer when they fit (``saved_in_gradient``): layer l's slice of that stack is
-written only by layer l's backward, after it has read them. The step then holds no activation stack
+written only by layer l's backward, after it has read them. The gate/up GEMM of the forward stores
+its product there itself, and the backward's activation kernel reads it there: neither copies it. The step then holds no activation stack
 next to the gradients, as PyTorch's eager backward frees each layer's activations as it allocates
 its gradients.
 
@@ -66,7 +67,7 @@ def _saved_shapes(config: MoEConfig, num_tokens: int, ffn_size: int):
     """Per layer, what the forward keeps for the backward: (h, hidden, dest, offsets).
 
     Not the permuted rows: the backward gathers them again from the recomputed norm of h
-    (``ops.rows_by_src``). Not the expert outputs: the router weights' gradient comes from the
+    (``ops.rows_by_route``). Not the expert outputs: the router weights' gradient comes from the
     down projection's input gradient (``swiglu_grouped_grad_but_gate_up``'s row_weights). Each is
     [R, H] less per layer at the step's peak (Qwen3-30B at T = 4096: 134 MB)."""
     num_rows, hidden, dtype = config.live_row_bound(num_tokens), config.hidden_size, config.dtype
@@ -107,24 +108,10 @@ def saved_in_gradient(config: MoEConfig, num_tokens: int, gate_up_shape, gate_up
     return _packing(config, num_tokens, gate_up_shape, gate_up_dtype) is not None
 
 
-def _pack(carrier, layer, values, starts):
-    """Writes ``values`` flattened at ``starts`` of slice ``layer`` of ``carrier`` [L, ...]."""
-    flat = carrier.reshape(carrier.shape[0], -1)
-    for value, start in zip(values, starts):
-        flat = lax.dynamic_update_slice(flat, value.reshape(1, -1).astype(flat.dtype), (layer, start))
-    return flat.reshape(carrier.shape)
-
-
-def _unpack(carrier, layer, shapes, starts):
-    """``_pack``'s inverse: the arrays of ``shapes`` [(shape, dtype)] read from slice ``layer``."""
-    flat = carrier.reshape(carrier.shape[0], -1)
-    return tuple(lax.dynamic_slice(flat, (layer, start), (1, math.prod(shape))).reshape(shape).astype(dtype)
-                 for (shape, dtype), start in zip(shapes, starts))
-
-
-def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: bool):
+def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: bool, hidden_into=None):
     """One layer: ``(h + y, scratch, logits [T, E], ids [T, k], saved)`` (``saved`` as _saved_shapes,
-    None unless ``keep``)."""
+    None unless ``keep``). hidden_into: ``swiglu_grouped_forward``'s; saved then holds the stack
+    it returns in hidden's place."""
     config = scratch.config
     num_tokens = h.shape[0]
     small, gate_up, down = _split(layer_params)
@@ -135,7 +122,7 @@ def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: 
     offsets = scratch.expert_offsets
     out_rows, workspace, hidden = swiglu_grouped_forward(
         scratch.permuted, gate_up.astype(config.dtype), down.astype(config.dtype), offsets, scratch.workspace,
-        num_rows, tile, keep_hidden=keep, group_rows=group_rows)
+        num_rows, tile, keep_hidden=keep, group_rows=group_rows, hidden_into=hidden_into)
     y = ops.unpermute(out_rows, weights, scratch)
     if shared is not None:
         y = y + shared
@@ -169,11 +156,16 @@ def _forward(params, tokens, scratch: MoEScratch, unroll, with_aux: bool, keep: 
     def body(carry, xs):
         h, s, saved = carry
         layer, layer_params = xs
-        h, s, logits, ids, layer_saved = _layer_forward(layer_params, h, s, keep)
+        hidden_into = None
+        if keep and saved[0] is not None:
+            # The layer's input goes in first; its gate/up GEMM then stores its product straight
+            # into the same slice (no copy of either afterwards).
+            hidden_into = (ops.write_into(saved[0], layer, h, starts[0]), layer, starts[1])
+        h, s, logits, ids, layer_saved = _layer_forward(layer_params, h, s, keep, hidden_into)
         if keep:
             carrier, stacks = saved
             if carrier is not None:
-                carrier = _pack(carrier, layer, layer_saved[:_ACTIVATIONS], starts)
+                carrier = layer_saved[1]
                 layer_saved = layer_saved[_ACTIVATIONS:]
             saved = (carrier, _set_layer(stacks, layer, layer_saved))
         aux = {"router_logits": logits, "expert_counts": routing.expert_counts(ids, config.num_experts)}
@@ -216,20 +208,22 @@ def _stack_bwd(config, unroll, with_aux, residuals, cotangents):
         layer, layer_params, layer_stacks, d_logits_layer = xs
         if carrier is None:
             h, hidden, dest, offsets = layer_stacks
-        else:
-            h, hidden = _unpack(grads["gate_up"], layer, shapes[:_ACTIVATIONS], starts)
+            hidden_at = None
+        else:  # hidden is read where it is by the activation's backward
+            h_shape, h_dtype = shapes[0]
+            h, hidden = ops.read_from(grads["gate_up"], layer, h_shape, starts[0], h_dtype), None
+            hidden_at = (grads["gate_up"], layer, starts[1])
             dest, offsets = layer_stacks
         small, gate_up, down = _split(layer_params)
         (n, weights, logits, shared), dense_vjp, _ = jax.vjp(lambda h, small: _dense(small, h, config), h, small,
                                                              has_aux=True)
-        src = ops.invert_dest(dest, num_rows)  # each row's route, for the three gathers below
-        rows = ops.rows_by_src(n, src, config.top_k)
+        src = ops.invert_dest(dest, num_rows)  # each row's route, for the gathers below
         # y = h + sum_j w[t, j] out[dest[t, j]] (+ shared): d y = d h reaches each route's output
         # rows unweighted here; the experts' backward applies the weights and gives their gradient.
-        d_h_rows = ops.rows_by_src(d_h.astype(config.dtype), src, config.top_k)
+        rows, d_h_rows = ops.rows_by_route((n, d_h.astype(config.dtype)), dest, src)
         d_rows, d_hidden, d_down, d_row_weights, workspace = swiglu_grouped_grad_but_gate_up(
             hidden, offsets, gate_up.astype(config.dtype), down.astype(config.dtype), d_h_rows, num_rows, tile,
-            grads["down"], layer, row_weights=ops.routes_by_src(weights.astype(jnp.float32), src))
+            grads["down"], layer, row_weights=ops.routes_by_src(weights.astype(jnp.float32), src), hidden_at=hidden_at)
         d_weights = ops.routes_from_rows(d_row_weights, dest).astype(weights.dtype)
         d_n = ops.permute_grad(d_rows, dest)
         d_logits_layer = jnp.zeros_like(logits) if d_logits_layer is None else d_logits_layer

@@ -1,7 +1,7 @@
 """A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths,
 padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward; the grouped
-GEMM forward and its input- and weight-gradient kernels (also written into a stacked gradient); the
-SwiGLU backward's elementwise kernel; the decode kernel on bf16 and FP8 weights; with
+GEMM forward and its input- and weight-gradient kernels (also written into a slice of a stack); the
+SwiGLU backward's elementwise kernel (also reading from a stack); the backward's row gather; the decode kernel on bf16 and FP8 weights; with
 --stack, the training stack's gradients. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
@@ -63,6 +63,15 @@ for num_tokens in (24, 3000, 12000):
                                                       jax.numpy.ones((3,) + w.shape, w.dtype), np.int32(2))
     print("weight_grad_into: slices 0, 1 untouched", bool((np.asarray(stack[:2], np.float32) == 1).all()),
           "empty experts zero", not np.asarray(stack[2, 20:], np.float32).any())
+    # The forward written into slice 1 of a stack at an offset (the training loop's gate/up product).
+    live_bound = config.live_row_bound(num_tokens)
+    into, _ = jax.jit(jax_moe.gemm.forward_into, static_argnums=(4, 5, 8))(
+        scratch.permuted, w, scratch.expert_offsets, jax_moe.gemm.backward_workspace(64), live_bound,
+        jax_moe.gemm.pick_tile(live_bound, 64), jax.numpy.ones((3, 16 + live_bound * 512 + 8), w.dtype), np.int32(1),
+        16)
+    into = np.asarray(into, np.float32)
+    print("forward_into: outside untouched", bool((into[0] == 1).all() and (into[2] == 1).all()
+                                                  and (into[1, :16] == 1).all() and (into[1, -8:] == 1).all()))
 
 # The SwiGLU backward's elementwise kernel, weighted and not (F = 776: lanes take unequal counts).
 rng = np.random.default_rng(4)
@@ -72,6 +81,20 @@ for row_weights in (rng.uniform(0, 1, 1001).astype(np.float32), None):
     results = jax.jit(jax_moe.gemm.swiglu_backward)(hidden, d_act, row_weights)
     print("swiglu_backward weighted", row_weights is not None, "finite",
           all(bool(np.isfinite(np.asarray(a, np.float32)).all()) for a in results if a is not None))
+# hidden read from slice 1 of a stack at an offset.
+stack = np.zeros((2, 24 + hidden.size + 8), hidden.dtype)
+stack[1, 24:24 + hidden.size] = hidden.reshape(-1)
+results = jax.jit(lambda s, d, i: jax_moe.gemm.swiglu_backward(s, d, layer=i, offset=24))(stack, d_act, np.int32(1))
+print("swiglu_backward from a stack finite", all(bool(np.isfinite(np.asarray(a, np.float32)).all())
+                                                 for a in results if a is not None))
+# The backward's gather of rows by their routes (two arrays, rows of no route zero).
+dest = np.full(600, -1, np.int32)
+dest[rng.permutation(600)[7:]] = rng.choice(700, 593, replace=False)
+dest = dest.reshape(150, 4)
+src = np.asarray(jax_moe.ops.invert_dest(dest, 700))
+xs = tuple(rng.standard_normal((150, 264)).astype(jax.numpy.bfloat16) for _ in range(2))
+gathered = jax.jit(jax_moe.ops.rows_by_route)(xs, dest, src)
+print("rows_by_route rows of no route zero", not np.asarray(gathered[1], np.float32)[src < 0].any())
 
 # The decode kernel: plain and gated, one and several passes per expert (rows_per_pass 1 vs up to
 # 40 rows an expert), dropped routes leaving rows past the live count, 64- and 128-column tiles.

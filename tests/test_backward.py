@@ -157,6 +157,74 @@ def test_gpu_swiglu_backward_kernel_matches_xla(weighted):
         assert got[2] is None
 
 
+@pytest.mark.gpu
+def test_gpu_swiglu_backward_reads_hidden_from_a_stack():
+    """hidden read in place from slice 2 of a stack at an offset (the training loop's saved gate/up
+    product) gives bitwise the results of the same kernel on hidden itself."""
+    rng = np.random.default_rng(6)
+    rows, ffn, offset = 300, 264, 40
+    hidden = jnp.asarray(rng.standard_normal((rows, 2 * ffn)) * 3, BF16)
+    d_act = jnp.asarray(rng.standard_normal((rows, ffn)), BF16)
+    w = jnp.asarray(rng.uniform(0, 1, rows), jnp.float32)
+    stack = jnp.zeros((3, offset + rows * 2 * ffn + 16), BF16).at[2, offset:offset + rows * 2 * ffn].set(
+        hidden.reshape(-1))
+    want = jax.jit(gemm.swiglu_backward)(hidden, d_act, w)
+    run = jax.jit(functools.partial(gemm.swiglu_backward, offset=offset))
+    got = run(stack, d_act, w, layer=jnp.int32(2))
+    assert "jax_moe_swiglu_backward" in run.lower(stack, d_act, w, layer=jnp.int32(2)).as_text()
+    for g, h, what in zip(got, want, ("activated", "d_hidden", "d_row_weights")):
+        assert_bitwise_equal(np.asarray(g, np.float32), np.asarray(h, np.float32), what)
+    with pytest.raises(ValueError, match="swiglu_backward: offset"):
+        gemm.swiglu_backward(stack, d_act, w, layer=jnp.int32(2), offset=offset + 24)
+
+
+def _routes_and_rows(rng, num_tokens, top_k, num_rows, dropped):
+    """A dest [T, k] with `dropped` routes -1 (the others on distinct rows) and its inverse src."""
+    dest = np.full(num_tokens * top_k, -1, np.int32)
+    kept = rng.permutation(num_tokens * top_k)[dropped:]
+    dest[kept] = rng.choice(num_rows, kept.size, replace=False)
+    return dest.reshape(num_tokens, top_k), np.asarray(jax_moe.ops.invert_dest(dest.reshape(num_tokens, top_k),
+                                                                                num_rows))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arrays", [1, 2, 3])
+def test_gpu_rows_by_route_kernel_matches_xla(arrays):
+    """The native kernel (rows again from their routes) against XLA's gather on the CPU, bit for
+    bit: dropped routes, rows of no route zero, every array in one launch."""
+    rng = np.random.default_rng(8)
+    num_tokens, top_k, num_rows, hidden = 37, 3, 130, 72
+    dest, src = _routes_and_rows(rng, num_tokens, top_k, num_rows, dropped=5)
+    xs = tuple(jnp.asarray(rng.standard_normal((num_tokens, hidden)), BF16) for _ in range(arrays))
+    run = jax.jit(jax_moe.ops.rows_by_route)
+    got = run(xs, dest, src)
+    assert "jax_moe_gather_rows" in run.lower(xs, dest, src).as_text()
+    with jax.default_device(jax.devices("cpu")[0]):
+        want = run(xs, dest, src)
+    for g, h in zip(got, want):
+        assert np.abs(np.asarray(h, np.float32)).max() > 0
+        assert_bitwise_equal(np.asarray(g, np.float32), np.asarray(h, np.float32), "rows_by_route")
+    assert not np.asarray(got[0], np.float32)[src < 0].any()
+    for r in np.nonzero(src >= 0)[0][:5]:
+        assert_bitwise_equal(np.asarray(got[-1][r], np.float32), np.asarray(xs[-1][src[r] // top_k], np.float32),
+                             "a routed row is its token's")
+
+
+def test_into_offsets_are_checked_at_trace_time():
+    """forward_into and swiglu_backward name the offset that does not fit or is misaligned."""
+    rows = jnp.zeros((16, 8), BF16)
+    weights = jnp.zeros((2, 8, 16), BF16)
+    offsets = jnp.array([0, 8, 16], jnp.int32)
+    with pytest.raises(ValueError, match="forward_into: offset"):
+        gemm.forward_into(rows, weights, offsets, gemm.backward_workspace(2), 16, gemm.SMALL_M_TILE,
+                          jnp.zeros((2, 300), BF16), 0, 4)
+    with pytest.raises(ValueError, match="forward_into: offset"):
+        gemm.forward_into(rows, weights, offsets, gemm.backward_workspace(2), 16, gemm.SMALL_M_TILE,
+                          jnp.zeros((2, 300), BF16), 0, 64)
+    with pytest.raises(ValueError, match="swiglu_backward: offset"):
+        gemm.swiglu_backward(jnp.zeros((2, 100), BF16), jnp.zeros((4, 8), BF16), layer=0, offset=40)
+
+
 def test_saved_in_gradient_bounds():
     """The activations go in the gate/up gradient exactly while T*H + R*2F <= El*H*2F, and never
     into a gradient of another dtype."""
@@ -285,6 +353,26 @@ def _check_backward_kernels(config, scratch, ffn, num_rows):
                                                   jnp.ones((3,) + d_w.shape, d_w.dtype), jnp.int32(1))
         assert bool(jnp.all(stack[0] == 1) & jnp.all(stack[2] == 1)), "weight_grad_into wrote outside its slice"
         assert bool(jnp.all(stack[1] == d_w)), "weight_grad_into differs from weight_grad"
+    # The forward written into slice 1 of a 3-layer stack at an offset (the training loop's gate/up
+    # product): bitwise the forward, everything else untouched.
+    offset, layer_size = 24, 24 + num_rows * hidden + 16
+    fwd_tile = gemm.SMALL_M_TILE if tile == gemm.DECODE_TILE else tile  # forward_into's for the decode tile
+
+    @jax.jit
+    def forward_both(rows, w, offsets):  # rows [R, ffn] @ w [El, ffn, H]
+        ws = gemm.backward_workspace(num_local)
+        out, ws = gemm.forward(rows, w, offsets, ws, num_rows, fwd_tile)
+        stack, _ = gemm.forward_into(rows, w, offsets, ws, num_rows, fwd_tile, jnp.ones((3, layer_size), BF16),
+                                     jnp.int32(1), offset)
+        return out, stack
+
+    out, into = forward_both(d_out, jnp.swapaxes(weights, 1, 2), scratch.expert_offsets)
+    into = np.asarray(into, np.float32)
+    assert (into[0] == 1).all() and (into[2] == 1).all(), "forward_into wrote outside its slice"
+    assert (into[1, :offset] == 1).all() and (into[1, offset + num_rows * hidden:] == 1).all(), \
+        "forward_into wrote outside its rows of the slice"
+    assert_bitwise_equal(into[1, offset:offset + num_rows * hidden].reshape(num_rows, hidden),
+                         np.asarray(out, np.float32), "forward_into vs forward")
     offsets = np.asarray(scratch.expert_offsets)
     sizes = np.diff(offsets)
     assert not bool(nonzero_empty), "experts without rows must get exactly zero weight gradient"
@@ -476,8 +564,11 @@ def test_gpu_training_step_runs_native_backward_without_float32_weight_copies():
     # Two grouped GEMMs in the forward loop body; in the backward's, two input gradients and two
     # weight gradients written into the stacked gradient. No unpermute backward: the stack keeps no
     # expert outputs, the router weights' gradient comes from the down projection's input gradient.
-    assert hlo.count('custom_call_target="jax_moe_grouped_matmul"') >= 4
-    assert hlo.count('custom_call_target="jax_moe_weight_grad_into"') >= 2
+    # The gate/up forward GEMM stores its product into the gate/up gradient's buffer, where the
+    # backward's activation kernel reads it; one native gather recomputes the rows and d y's rows.
+    assert hlo.count('custom_call_target="jax_moe_grouped_matmul"') >= 3
+    assert hlo.count('custom_call_target="jax_moe_grouped_matmul_into"') >= 3
+    assert 'custom_call_target="jax_moe_gather_rows"' in hlo
     assert 'custom_call_target="jax_moe_unpermute_grad"' not in hlo
     # The stacked weight gradients start unfilled (jax_moe.stack): no broadcast fills an array of
     # the stacked weights' shape.
