@@ -168,7 +168,8 @@ def rows_by_route(xs: tuple[jax.Array, ...], dest: jax.Array, src: jax.Array) ->
     align padding, rows past the live ones) is zero. Lets a backward recompute the rows instead of
     keeping them. On a GPU, up to four arrays of one shape and dtype with 16-byte rows take one
     kernel (``jax_moe_gather_rows``) that reads each token's row once and stores it to its k rows
-    (XLA's gather of each row from src took 1.9x the copy time); XLA's gather otherwise.
+    (Qwen3-30B's backward at T = 4096: 81 µs per layer for two arrays, XLA's two gathers 126 µs);
+    XLA's gather otherwise.
     """
     top_k = dest.shape[1]
 
