@@ -210,6 +210,37 @@ def test_gpu_rows_by_route_kernel_matches_xla(arrays):
                              "a routed row is its token's")
 
 
+def test_rows_by_route_is_permutes_rows():
+    """XLA's path (any device): row dest[t, j] is x[t] for every array, rows of no route are zero, and
+    it equals what permute wrote for the same routes."""
+    rng = np.random.default_rng(9)
+    config = MoEConfig(num_experts=8, top_k=3, hidden_size=16, max_tokens=12, align=4, dtype=jnp.float32)
+    x = jnp.asarray(rng.standard_normal((12, 16)), jnp.float32)
+    ids = jnp.asarray(rng.integers(-1, 8, (12, 3)), jnp.int32)  # some dropped
+    scratch = permute(x, ids, init_scratch(config))
+    dest = scratch.dest_index[:12]
+    src = jax_moe.ops.invert_dest(dest, config.capacity)
+    rows, doubled = jax_moe.ops.rows_by_route((x, 2 * x), dest, src)
+    assert_bitwise_equal(np.asarray(rows), np.asarray(scratch.permuted), "rows_by_route vs permute")
+    assert_bitwise_equal(np.asarray(doubled), 2 * np.asarray(scratch.permuted), "second array")
+    dest_np, src_np = np.asarray(dest), np.asarray(src)
+    for t, j in zip(*np.nonzero(dest_np >= 0)):
+        assert src_np[dest_np[t, j]] == t * 3 + j
+    assert not np.asarray(rows)[src_np < 0].any()
+
+
+def test_write_into_and_read_from_round_trip():
+    stack = jnp.arange(3 * 40, dtype=jnp.float32).reshape(3, 5, 8)
+    value = -jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+    out = jax_moe.ops.write_into(stack, jnp.int32(1), value, 16)
+    flat = np.asarray(out).reshape(3, 40)
+    assert (flat[1, 16:28] == np.asarray(value).reshape(-1)).all()
+    assert (np.delete(flat, np.s_[16:28], axis=1)[1] == np.delete(np.arange(40, 80), np.s_[16:28])).all()
+    assert (flat[0] == np.arange(40)).all() and (flat[2] == np.arange(80, 120)).all()
+    back = jax_moe.ops.read_from(out, jnp.int32(1), (3, 4), 16, jnp.bfloat16)
+    assert back.dtype == jnp.bfloat16 and (np.asarray(back, np.float32) == np.asarray(value)).all()
+
+
 def test_into_offsets_are_checked_at_trace_time():
     """forward_into and swiglu_backward name the offset that does not fit or is misaligned."""
     rows = jnp.zeros((16, 8), BF16)
