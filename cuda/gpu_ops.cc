@@ -239,15 +239,14 @@ ffi::Error GroupedMatmulIntoImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Any
   args.op = static_cast<GemmOp>(op);
   args.num_groups = static_cast<int64_t>(expert_offsets.element_count()) - 1;
   bool shapes_ok = ad.size() == 2 && sd.size() >= 1 && sd[0] >= 1 && layer.element_count() == 1 && args.num_groups >= 1;
-  int64_t result = 0;
   if (args.op == GemmOp::kForward) {  // rows [R, K], weights [El, K, N]
     shapes_ok = shapes_ok && bd.size() == 3 && bd[0] == args.num_groups && bd[1] == ad[1] && out_rows >= 0 &&
                 out_rows <= ad[0];
-    if (shapes_ok) args.k = bd[1], args.n = bd[2], args.out_rows = out_rows, result = out_rows * bd[2];
+    if (shapes_ok) args.k = bd[1], args.n = bd[2], args.out_rows = out_rows;
     args.tile = static_cast<GemmTile>(tile);
   } else if (args.op == GemmOp::kWeightGrad) {  // rows [R, K], d_out [R, N]
     shapes_ok = shapes_ok && bd.size() == 2 && bd[0] == ad[0];
-    if (shapes_ok) args.k = ad[1], args.n = bd[1], args.out_rows = ad[0], result = args.num_groups * ad[1] * bd[1];
+    if (shapes_ok) args.k = ad[1], args.n = bd[1], args.out_rows = ad[0];
     args.tile = GemmTile::kLargeM;
   } else {
     return InvalidArgument("grouped_matmul_into: op must be forward or weight grad");
@@ -259,7 +258,7 @@ ffi::Error GroupedMatmulIntoImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Any
   args.out_layers = sd[0];
   args.out_layer_elements = static_cast<int64_t>(stack->element_count()) / sd[0];
   args.out_offset = offset;
-  if (offset < 0 || offset % kGemmAlignElements != 0 || offset + result > args.out_layer_elements)
+  if (!OutSliceFits(args))
     return InvalidArgument("grouped_matmul_into: the result must fit in one slice of the stack at offset, "
                            "a multiple of 8 elements");
   return LaunchOnWorkspace(args, a, b, expert_offsets, stack->untyped_data(), workspace->untyped_data(),
@@ -347,8 +346,7 @@ ffi::Error SwigluBackwardImpl(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::A
     args.hidden_layers = hd[0];
     args.hidden_layer_elements = static_cast<int64_t>(hidden.element_count()) / hd[0];
     args.hidden_offset = offset;
-    if (offset < 0 || offset % 8 != 0 || args.hidden_layer_elements % 8 != 0 ||
-        offset + 2 * rows * ffn > args.hidden_layer_elements)
+    if (!HiddenSliceFits(args))
       return InvalidArgument("swiglu_backward: the [R, 2F] product must fit in one slice of the stack at offset, "
                              "a multiple of 8 elements");
   }

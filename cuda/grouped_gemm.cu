@@ -180,13 +180,7 @@ cudaError_t LaunchGroupedGemm(const GroupedGemmArgs& args, cudaStream_t stream) 
   const int sm_count = SmCount();
   if (sm_count <= 0) return cudaErrorInvalidDevice;
   if (!IsGemmTile(static_cast<int64_t>(args.tile))) return cudaErrorInvalidValue;
-  if (args.out_layer != nullptr) {  // the result must fit in one slice of the stack, 16-byte aligned
-    const int64_t result = args.op == GemmOp::kWeightGrad ? args.num_groups * args.k * args.n
-                                                          : args.out_rows * (args.op == GemmOp::kForward ? args.n : args.k);
-    if (args.out_layers < 1 || args.out_offset < 0 || args.out_offset % kGemmAlignElements != 0 ||
-        args.out_layer_elements % kGemmAlignElements != 0 || args.out_offset + result > args.out_layer_elements)
-      return cudaErrorInvalidValue;
-  }
+  if (args.out_layer != nullptr && !OutSliceFits(args)) return cudaErrorInvalidValue;
   cudaError_t status = cudaSuccess;
   switch (args.op) {
     case GemmOp::kForward:

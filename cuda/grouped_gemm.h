@@ -70,6 +70,15 @@ struct GroupedGemmArgs {
   GemmTile tile;
 };
 
+// Whether a result written into a stack (out_layer set) fits in one slice at out_offset, 16-byte
+// aligned (the FFI handler and the launcher check it).
+inline bool OutSliceFits(const GroupedGemmArgs& a) {
+  const int64_t result = a.op == GemmOp::kWeightGrad ? a.num_groups * a.k * a.n
+                                                     : a.out_rows * (a.op == GemmOp::kForward ? a.n : a.k);
+  return a.out_layers >= 1 && a.out_offset >= 0 && a.out_offset % kGemmAlignElements == 0 &&
+         a.out_layer_elements % kGemmAlignElements == 0 && a.out_offset + result <= a.out_layer_elements;
+}
+
 // Workspace bytes any grouped GEMM op needs for num_groups experts, 128 bytes of alignment slack
 // included (host arithmetic, no device).
 size_t GroupedGemmWorkspaceBytes(int64_t num_groups);

@@ -67,10 +67,7 @@ __global__ void __launch_bounds__(kThreads) SwigluBackwardKernel(SwigluBackwardA
 
 cudaError_t LaunchSwigluBackward(const SwigluBackwardArgs& args, cudaStream_t stream) {
   if (args.ffn < 8 || args.ffn % 8 != 0 || args.rows < 0) return cudaErrorInvalidValue;
-  if (args.hidden_layer != nullptr &&
-      (args.hidden_layers < 1 || args.hidden_offset < 0 || args.hidden_offset % 8 != 0 ||
-       args.hidden_layer_elements % 8 != 0 || args.hidden_offset + args.rows * 2 * args.ffn > args.hidden_layer_elements))
-    return cudaErrorInvalidValue;
+  if (args.hidden_layer != nullptr && !HiddenSliceFits(args)) return cudaErrorInvalidValue;
   if (args.rows == 0) return cudaSuccess;
   const int64_t blocks = (args.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;

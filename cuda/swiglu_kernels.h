@@ -34,6 +34,13 @@ struct SwigluBackwardArgs {
   int64_t hidden_layers = 1, hidden_layer_elements = 0, hidden_offset = 0;
 };
 
+// Whether hidden read from a stack (hidden_layer set) fits in one slice at hidden_offset, 16-byte
+// aligned (the FFI handler and the launcher check it).
+inline bool HiddenSliceFits(const SwigluBackwardArgs& a) {
+  return a.hidden_layers >= 1 && a.hidden_offset >= 0 && a.hidden_offset % 8 == 0 &&
+         a.hidden_layer_elements % 8 == 0 && a.hidden_offset + a.rows * 2 * a.ffn <= a.hidden_layer_elements;
+}
+
 cudaError_t LaunchSwigluBackward(const SwigluBackwardArgs& args, cudaStream_t stream);
 
 }  // namespace jax_moe

@@ -186,10 +186,7 @@ def swiglu_backward(hidden: jax.Array, d_activated: jax.Array, row_weights: jax.
     stacked = layer is not None
     if stacked:
         layer = jnp.asarray(layer, jnp.int32)
-        if offset % 8 or offset < 0 or offset + rows * 2 * ffn > math.prod(hidden.shape[1:]):
-            raise ValueError(f"swiglu_backward: offset: expected a multiple of 8 with offset + R * 2F <= "
-                             f"{math.prod(hidden.shape[1:])} (one slice of the stack), got offset {offset} and "
-                             f"{rows} x {2 * ffn}")
+        _check_fits_in_slice("swiglu_backward", hidden, offset, (rows, 2 * ffn))
 
     def fallback(h, d, w, i):
         h = read_from(h, i, (rows, 2 * ffn), offset) if stacked else h
@@ -216,6 +213,15 @@ def swiglu_backward(hidden: jax.Array, d_activated: jax.Array, row_weights: jax.
         return activated, d_hidden, d_w if weighted else None
 
     return _on_cuda(native, fallback, hidden, d_activated, weights, layer)
+
+
+def _check_fits_in_slice(caller: str, stack, offset: int, shape) -> None:
+    """ValueError unless an array of ``shape`` fits at element ``offset`` (a multiple of 8: 16-byte
+    aligned for the kernels) of one slice of ``stack`` [L, ...]."""
+    slice_size = math.prod(stack.shape[1:])
+    if offset % 8 or offset < 0 or offset + math.prod(shape) > slice_size:
+        raise ValueError(f"{caller}: offset: expected a multiple of 8 with offset + {shape[0]} x {shape[1]} <= "
+                         f"{slice_size} (one slice of the stack), got {offset}")
 
 
 def _on_cuda(native, fallback, *args):
@@ -378,11 +384,7 @@ def forward_into(rows, weights, offsets, workspace, num_rows: int, tile: int, st
     the backward reads it, with no copy. offset: a multiple of 8; the result must fit in a slice.
     """
     layer = jnp.asarray(layer, jnp.int32)
-    n = weights.shape[2]
-    if offset % 8 or offset < 0 or offset + num_rows * n > math.prod(stack.shape[1:]):
-        raise ValueError(f"forward_into: offset: expected a multiple of 8 with offset + num_rows * N <= "
-                         f"{math.prod(stack.shape[1:])} (one slice of the stack), got offset {offset} and "
-                         f"{num_rows} x {n}")
+    _check_fits_in_slice("forward_into", stack, offset, (num_rows, weights.shape[2]))
 
     def fallback(r, w, o, ws, s, i):
         out, ws = forward(r, w, o, ws, num_rows, SMALL_M_TILE if tile == DECODE_TILE else tile)

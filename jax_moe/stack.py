@@ -8,9 +8,9 @@ of the scan.
 On a GPU the activations the forward keeps for the backward ride in the gate/up weight
 gradient's own buffer when they fit (``saved_in_gradient``): layer l's slice of that stack is
 written only by layer l's backward, after it has read them. The gate/up GEMM of the forward stores
-its product there itself, and the backward's activation kernel reads it there: neither copies it. The step then holds no activation stack
-next to the gradients, as PyTorch's eager backward frees each layer's activations as it allocates
-its gradients.
+its product there itself, and the backward's activation kernel reads it there: neither copies it.
+The step then holds no activation stack next to the gradients, as PyTorch's eager backward frees
+each layer's activations as it allocates its gradients.
 
 Why: the transpose of a scan collects each layer's parameter gradients as the loop's stacked
 outputs, and JAX starts those from zeros: a fill of every weight gradient (a fifth of a
