@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -144,7 +145,11 @@ __device__ __forceinline__ void Accumulate(float (&acc)[kRowsPerPass][8], const 
   }
 }
 
-template <int kVectors, int kRowsPerPass, bool kGated, bool kFp8>
+// kSplit > 1: the blocks of a thread-block cluster of kSplit (grid z) take consecutive K ranges of
+// the same columns; each sums its warps' parts, then cluster rank 0 sums the ranks' parts in rank
+// order through distributed shared memory and writes the result (one launch, deterministic). For
+// grids too small to keep every SM streaming (Qwen3-30B at T = 1: 96 blocks for 132 SMs).
+template <int kVectors, int kRowsPerPass, bool kGated, bool kFp8, int kSplit>
 __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   using Element = typename Weights<kFp8>::Element;
   using Vector = typename Weights<kFp8>::Vector;
@@ -153,6 +158,8 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   constexpr int kOutCols = kGated ? kTileCols / 2 : kTileCols;  // out columns it writes
   constexpr int64_t kStep = kWarps * kLanesK * kStepRows;       // k rows the block covers per step
   __shared__ float partial[kWarps][kRowsPerPass][kTileCols];
+  __shared__ float block_sum[kSplit > 1 ? kRowsPerPass : 1][kSplit > 1 ? kTileCols : 1];
+  const int split = kSplit > 1 ? static_cast<int>(blockIdx.z) : 0;
 
   const Bf16* rows = static_cast<const Bf16*>(p.rows);
   Bf16* out = static_cast<Bf16*>(p.out);
@@ -178,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   }
 
   // Rows past the live count are in no group: zero them (slot 0's blocks, one column tile each).
-  if (blockIdx.y == 0) {
+  if (blockIdx.y == 0 && split == 0) {
     const int live = Clamp(p.expert_offsets[p.num_groups], 0, out_rows);
     for (int64_t i = threadIdx.x; i < static_cast<int64_t>(out_rows - live) * kOutCols; i += kThreads) {
       const int64_t c = out_col0 + i % kOutCols;
@@ -192,6 +199,11 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   const float* scales =
       kFp8 ? p.scale_inv + group.index * (k / kScaleBlock) * (n / kScaleBlock) + col / kScaleBlock : nullptr;
 
+  // This block's K range: whole steps of 8 rows (an FP8 step stays in one 128-row scale block).
+  const int64_t k_chunk = kSplit > 1 ? (k / kStepRows + kSplit - 1) / kSplit * kStepRows : k;
+  const int64_t k_begin = split * k_chunk;
+  const int64_t k_end = k_begin + k_chunk < k ? k_begin + k_chunk : k;
+
   for (int first_row = group.start; first_row < group.end; first_row += kRowsPerPass) {
     const int rows_now = min(kRowsPerPass, group.end - first_row);
     const Bf16* x = rows + static_cast<int64_t>(first_row) * k;
@@ -202,12 +214,13 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
       for (int c = 0; c < 8; ++c) acc[m][c] = 0.0f;
     // kInFlight steps' loads in flight per lane before their arithmetic (bf16: 4 steps measured no
     // faster than 2; neither did refilling each step's registers as soon as it is consumed).
-    for (int64_t k0 = static_cast<int64_t>(warp * kLanesK + lane_k) * kStepRows; k0 < k; k0 += kInFlight<kFp8> * kStep) {
+    for (int64_t k0 = k_begin + static_cast<int64_t>(warp * kLanesK + lane_k) * kStepRows; k0 < k_end;
+         k0 += kInFlight<kFp8> * kStep) {
       Vector w[kInFlight<kFp8>][kStepRows];
       float scale[kInFlight<kFp8>];
 #pragma unroll
       for (int s = 0; s < kInFlight<kFp8>; ++s) {
-        const bool load = col_ok && k0 + s * kStep < k;
+        const bool load = col_ok && k0 + s * kStep < k_end;
 #pragma unroll
         for (int i = 0; i < kStepRows; ++i) w[s][i] = load ? LoadStreaming(weights + (k0 + s * kStep + i) * n) : Vector{};
         // The step's 8 k rows lie in one 128-row scale block (k0 is a multiple of 8).
@@ -215,7 +228,7 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
       }
 #pragma unroll
       for (int s = 0; s < kInFlight<kFp8>; ++s)
-        if (k0 + s * kStep < k)
+        if (k0 + s * kStep < k_end)
           Accumulate<kRowsPerPass, kFp8>(acc, w[s], scale[s], x + k0 + s * kStep, k, rows_now);
     }
     // Sum the lanes that share columns (a fixed butterfly), then the warps in order.
@@ -232,15 +245,40 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
         for (int c = 0; c < 8; ++c) partial[warp][m][vec * 8 + c] = acc[m][c];
     }
     __syncthreads();
+    if constexpr (kSplit > 1) {
+      // Each rank sums its warps; rank 0 then sums the ranks in order (rank 0's part first).
+      for (int i = threadIdx.x; i < rows_now * kTileCols; i += kThreads) {
+        const int m = i / kTileCols, j = i % kTileCols;
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) sum = __fadd_rn(sum, partial[w][m][j]);
+        block_sum[m][j] = sum;
+      }
+      cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+      cluster.sync();  // every rank's block_sum is written
+      if (split == 0) {
+        for (int i = threadIdx.x; i < rows_now * kTileCols; i += kThreads) {
+          const int m = i / kTileCols, j = i % kTileCols;
+          float sum = block_sum[m][j];
+#pragma unroll
+          for (int r = 1; r < kSplit; ++r) sum = __fadd_rn(sum, cluster.map_shared_rank(&block_sum[0][0], r)[m * kTileCols + j]);
+          partial[0][m][j] = sum;  // rank 0's warps are done with partial: the epilogue reads row 0
+        }
+      }
+      cluster.sync();  // rank 0 has read the others' parts: they may start their next pass
+      __syncthreads();
+    }
     for (int i = threadIdx.x; i < rows_now * kOutCols; i += kThreads) {
       const int m = i / kOutCols, j = i % kOutCols;
+      if (kSplit > 1 && split != 0) break;
       if (out_col0 + j >= out_width) continue;
+      constexpr int kParts = kSplit > 1 ? 1 : kWarps;  // split: rank 0's partial[0] holds the sums
       float result = 0.0f;
       if constexpr (kGated) {
         // As the CUTLASS path: the gate/up product rounded to bf16, the activation in float32.
         float gate = 0.0f, up = 0.0f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
+        for (int w = 0; w < kParts; ++w) {
           gate = __fadd_rn(gate, partial[w][m][j]);
           up = __fadd_rn(up, partial[w][m][kOutCols + j]);
         }
@@ -249,7 +287,7 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
         result = __fmul_rn(__fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate))), up);
       } else {
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) result = __fadd_rn(result, partial[w][m][j]);
+        for (int w = 0; w < kParts; ++w) result = __fadd_rn(result, partial[w][m][j]);
       }
       out[static_cast<int64_t>(first_row + m) * out_width + out_col0 + j] = __float2bfloat16_rn(result);
     }
@@ -257,18 +295,40 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   }
 }
 
-template <int kVectors, int kRowsPerPass, bool kGated>
-cudaError_t Launch(const DecodeGemmArgs& args, cudaStream_t stream) {
-  const bool fp8 = args.scale_inv != nullptr;
+template <int kVectors, int kRowsPerPass, bool kGated, int kSplit>
+cudaError_t LaunchSplit(const DecodeGemmArgs& args, cudaStream_t stream) {
   constexpr int kOutCols = kGated ? kVectors * 4 : kVectors * 8;
   const int64_t out_width = kGated ? args.n / 2 : args.n;
-  const dim3 grid(static_cast<unsigned>((out_width + kOutCols - 1) / kOutCols),
-                  static_cast<unsigned>(std::min(args.num_groups, args.out_rows)));
-  if (fp8)
-    DecodeGemmKernel<kVectors, kRowsPerPass, kGated, true><<<grid, kThreads, 0, stream>>>(args);
-  else
-    DecodeGemmKernel<kVectors, kRowsPerPass, kGated, false><<<grid, kThreads, 0, stream>>>(args);
-  return cudaGetLastError();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>((out_width + kOutCols - 1) / kOutCols),
+                        static_cast<unsigned>(std::min(args.num_groups, args.out_rows)), kSplit);
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = kSplit;
+  config.attrs = &cluster;
+  config.numAttrs = kSplit > 1 ? 1 : 0;
+  if (args.scale_inv != nullptr)
+    return cudaLaunchKernelEx(&config, DecodeGemmKernel<kVectors, kRowsPerPass, kGated, true, kSplit>, args);
+  return cudaLaunchKernelEx(&config, DecodeGemmKernel<kVectors, kRowsPerPass, kGated, false, kSplit>, args);
+}
+
+// Splits K over a cluster of 2 or 4 blocks while the grid would leave SMs idle: at most
+// kSplitBlocks blocks of the split grid (two resident blocks per SM on a 132-SM Hopper).
+constexpr int64_t kSplitBlocks = 264;
+
+template <int kVectors, int kRowsPerPass, bool kGated>
+cudaError_t Launch(const DecodeGemmArgs& args, cudaStream_t stream) {
+  constexpr int kOutCols = kGated ? kVectors * 4 : kVectors * 8;
+  const int64_t out_width = kGated ? args.n / 2 : args.n;
+  const int64_t blocks = (out_width + kOutCols - 1) / kOutCols * std::min(args.num_groups, args.out_rows);
+  const int64_t k_steps = args.k / kStepRows;
+  if (4 * blocks <= kSplitBlocks && k_steps >= 4 * kWarps * (32 / kVectors))
+    return LaunchSplit<kVectors, kRowsPerPass, kGated, 4>(args, stream);
+  if (2 * blocks <= kSplitBlocks && k_steps >= 2 * kWarps * (32 / kVectors))
+    return LaunchSplit<kVectors, kRowsPerPass, kGated, 2>(args, stream);
+  return LaunchSplit<kVectors, kRowsPerPass, kGated, 1>(args, stream);
 }
 
 template <int kVectors, bool kGated>

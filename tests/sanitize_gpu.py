@@ -98,13 +98,13 @@ print("rows_by_route rows of no route zero", not np.asarray(gathered[1], np.floa
 
 # The decode kernel: plain and gated, one and several passes per expert (rows_per_pass 1 vs up to
 # 40 rows an expert), dropped routes leaving rows past the live count, 64- and 128-column tiles.
-for num_tokens, ffn in ((1, 96), (40, 1024)):
-    config = jax_moe.MoEConfig(num_experts=16, top_k=2, hidden_size=264, max_tokens=num_tokens, align=2)
+for num_tokens, ffn, hidden_size in ((1, 96, 264), (40, 1024, 264), (1, 768, 2048)):  # the last splits K
+    config = jax_moe.MoEConfig(num_experts=16, top_k=2, hidden_size=hidden_size, max_tokens=num_tokens, align=2)
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((num_tokens, 264)).astype(jax.numpy.bfloat16)
+    x = rng.standard_normal((num_tokens, hidden_size)).astype(jax.numpy.bfloat16)
     ids = rng.integers(-1, 6, (num_tokens, 2)).astype(np.int32)
     scratch = jax.jit(jax_moe.permute)(x, ids, jax_moe.init_scratch(config))
-    w = (rng.standard_normal((16, 264, 2 * ffn)) / 16).astype(jax.numpy.bfloat16)
+    w = (rng.standard_normal((16, hidden_size, 2 * ffn)) / 16).astype(jax.numpy.bfloat16)
     out, _ = jax.jit(lambda r, w, s: jax_moe.grouped_matmul(r, w, s, tile=jax_moe.gemm.DECODE_TILE))(
         scratch.permuted, w, scratch)
     gated, _ = jax.jit(lambda r, w, s: jax_moe.gemm.gated_forward(r, w, s.expert_offsets, s.workspace,
