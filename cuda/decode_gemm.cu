@@ -25,7 +25,7 @@ constexpr int kStepRows = 8;  // k rows a lane takes per step
 // steps of 8 x 16 bytes; FP8: 4 steps of 8 x 8 bytes).
 template <bool kFp8>
 constexpr int kInFlight = kFp8 ? 4 : 2;
-constexpr int kMinBlocks = 64;  // half the SMs: below this, narrower tiles
+constexpr int kMinBlocks = 64;  // FP8: half the SMs; below this, narrower tiles
 
 using Bf16 = __nv_bfloat16;
 constexpr int kScaleBlock = 128;  // FP8 weights: one scale per 128 x 128 block
@@ -148,7 +148,7 @@ __device__ __forceinline__ void Accumulate(float (&acc)[kRowsPerPass][8], const 
 // kSplit > 1: the blocks of a thread-block cluster of kSplit (grid z) take consecutive K ranges of
 // the same columns; each sums its warps' parts, then cluster rank 0 sums the ranks' parts in rank
 // order through distributed shared memory and writes the result (one launch, deterministic). For
-// grids too small to keep every SM streaming (Qwen3-30B at T = 1: 96 blocks for 132 SMs).
+// grids too small to keep every SM streaming (a shared expert at T = 1: one group, 32-64 blocks).
 template <int kVectors, int kRowsPerPass, bool kGated, bool kFp8, int kSplit>
 __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   using Element = typename Weights<kFp8>::Element;
@@ -314,9 +314,13 @@ cudaError_t LaunchSplit(const DecodeGemmArgs& args, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, DecodeGemmKernel<kVectors, kRowsPerPass, kGated, false, kSplit>, args);
 }
 
-// Splits K over a cluster of 2 or 4 blocks while the grid would leave SMs idle: at most
-// kSplitBlocks blocks of the split grid (two resident blocks per SM on a 132-SM Hopper).
-constexpr int64_t kSplitBlocks = 264;
+// One block per SM of a 132-SM H100/H200: the grid the bf16 kernel aims for. Measured on the H200
+// at the four models' T = 1 shapes (kernel times, splits 1-8 x both tile widths): a grid of up to
+// about one wave streams best as narrow tiles without a split (Qwen3-30B gate/up 16.4 us vs 18.7
+// wide, Mixtral's down projection 57.8 vs 86.3 wide); a split only pays while the narrow grid
+// is at most half a wave (DeepSeek-V3's shared gate/up, 64 blocks: 18.2 us split 2 vs 24.2), and
+// clusters of 4 over a grid past one wave cost up to 30 % (Mixtral down 79.5 us at 256 blocks).
+constexpr int64_t kWaveBlocks = 132;
 
 template <int kVectors, int kRowsPerPass, bool kGated>
 cudaError_t Launch(const DecodeGemmArgs& args, cudaStream_t stream) {
@@ -324,9 +328,11 @@ cudaError_t Launch(const DecodeGemmArgs& args, cudaStream_t stream) {
   const int64_t out_width = kGated ? args.n / 2 : args.n;
   const int64_t blocks = (out_width + kOutCols - 1) / kOutCols * std::min(args.num_groups, args.out_rows);
   const int64_t k_steps = args.k / kStepRows;
-  if (4 * blocks <= kSplitBlocks && k_steps >= 4 * kWarps * (32 / kVectors))
+  // FP8 weights keep the unsplit grid they were measured with (jax_moe/fp8.py, issue 16).
+  const bool may_split = args.scale_inv == nullptr;
+  if (may_split && 4 * blocks <= kWaveBlocks && k_steps >= 4 * kWarps * (32 / kVectors))
     return LaunchSplit<kVectors, kRowsPerPass, kGated, 4>(args, stream);
-  if (2 * blocks <= kSplitBlocks && k_steps >= 2 * kWarps * (32 / kVectors))
+  if (may_split && 2 * blocks <= kWaveBlocks && k_steps >= 2 * kWarps * (32 / kVectors))
     return LaunchSplit<kVectors, kRowsPerPass, kGated, 2>(args, stream);
   return LaunchSplit<kVectors, kRowsPerPass, kGated, 1>(args, stream);
 }
@@ -348,14 +354,13 @@ cudaError_t LaunchRows(const DecodeGemmArgs& args, cudaStream_t stream) {
 
 template <bool kGated>
 cudaError_t LaunchGated(const DecodeGemmArgs& args, cudaStream_t stream) {
-  // 128-column tiles: each warp reads 256 contiguous bytes per k row, which streams from HBM
-  // better than more blocks of narrower tiles (measured on the H200: 32- and 64-column tiles were
-  // 2-30 % slower per layer, even for Mixtral's down projection at T = 1 with 64 blocks), unless
-  // fewer than kMinBlocks blocks would run; then 64-column tiles.
+  // 128-column tiles (each warp reads 256 contiguous bytes per k row) while they fill more than a
+  // wave of blocks (bf16) or at least kMinBlocks (FP8); 64-column tiles otherwise (kWaveBlocks).
   const int64_t out_width = kGated ? args.n / 2 : args.n;
   const int64_t wide_cols = kGated ? 64 : 128;
   const int64_t wide_blocks = (out_width + wide_cols - 1) / wide_cols * std::min(args.num_groups, args.out_rows);
-  return wide_blocks >= kMinBlocks ? LaunchRows<16, kGated>(args, stream) : LaunchRows<8, kGated>(args, stream);
+  const bool wide = args.scale_inv == nullptr ? wide_blocks > kWaveBlocks : wide_blocks >= kMinBlocks;
+  return wide ? LaunchRows<16, kGated>(args, stream) : LaunchRows<8, kGated>(args, stream);
 }
 
 }  // namespace
