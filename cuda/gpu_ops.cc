@@ -10,6 +10,7 @@
 #include "ffi_shapes.h"
 #include "gpu_kernels.h"
 #include "grouped_gemm.h"
+#include "route_kernels.h"
 #include "swiglu_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -318,6 +319,45 @@ ffi::Error DecodeMatmulFp8Impl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::An
   return RunDecodeMatmul(stream, rows, weights, scale_inv.typed_data(), expert_offsets, out, gated, rows_per_pass);
 }
 
+// The decode router (route_kernels.h): x [T, H] and router [H, E] bf16, bias [E] float32 (or [1]
+// without one); workspace: the scratch's, whose last word is the kernel's arrival counter.
+ffi::Error DecodeRouteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer router, ffi::Buffer<ffi::F32> bias,
+                           ffi::Buffer<ffi::S32>, ffi::Result<ffi::Buffer<ffi::F32>> logits,
+                           ffi::Result<ffi::Buffer<ffi::F32>> topk_weights, ffi::Result<ffi::Buffer<ffi::S32>> topk_ids,
+                           ffi::Result<ffi::Buffer<ffi::F32>> partials, ffi::Result<ffi::Buffer<ffi::S32>> workspace,
+                           bool has_bias, bool sigmoid, bool renormalize, float renormalize_epsilon, float scaling,
+                           int64_t n_group, int64_t topk_group) {
+  const auto xd = x.dimensions();
+  const auto rd = router.dimensions();
+  const auto wd = topk_weights->dimensions();
+  if (xd.size() != 2 || rd.size() != 2 || wd.size() != 2 || x.element_type() != ffi::BF16 ||
+      router.element_type() != ffi::BF16 || rd[0] != xd[1] || wd[0] != xd[0])
+    return InvalidArgument("decode_route: expected bf16 x [T, H] and router [H, E], weights [T, k]");
+  DecodeRouteArgs args;
+  args.num_tokens = xd[0], args.hidden = xd[1], args.num_experts = rd[1], args.top_k = wd[1];
+  args.n_group = n_group, args.topk_group = topk_group;
+  if (!DecodeRouteFits(args.num_tokens, args.hidden, args.num_experts, args.top_k, n_group, topk_group))
+    return InvalidArgument("decode_route: sizes outside the kernel's (route_kernels.h DecodeRouteFits)");
+  const int64_t pairs = args.num_tokens * args.num_experts;
+  if (static_cast<int64_t>(logits->element_count()) != pairs ||
+      static_cast<int64_t>(topk_ids->element_count()) != args.num_tokens * args.top_k ||
+      static_cast<int64_t>(partials->element_count()) != DecodeRouteSlices(args.hidden, args.num_experts) * pairs ||
+      (has_bias && static_cast<int64_t>(bias.element_count()) != args.num_experts) || workspace->element_count() < 1)
+    return InvalidArgument("decode_route: expected logits [T, E], ids [T, k], partials [slices, T, E], bias [E], "
+                           "a workspace of one word or more");
+  args.x = x.untyped_data();
+  args.router = router.untyped_data();
+  args.bias = has_bias ? bias.typed_data() : nullptr;
+  args.partials = partials->typed_data();
+  args.logits = logits->typed_data();
+  args.topk_weights = topk_weights->typed_data();
+  args.topk_ids = topk_ids->typed_data();
+  args.counter = workspace->typed_data() + workspace->element_count() - 1;
+  args.sigmoid = sigmoid, args.renormalize = renormalize;
+  args.renormalize_epsilon = renormalize_epsilon, args.scaling = scaling;
+  return CudaStatus(LaunchDecodeRoute(args, stream), "decode_route");
+}
+
 // SwiGLU's backward (swiglu_kernels.h). hidden [R, 2F], or with `stacked` a stack [L, ...] whose
 // slice `layer` (a scalar read on the device) holds the [R, 2F] product flattened at element
 // `offset`; d_activated [R, F]; row_weights [R] when weighted.
@@ -444,6 +484,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeMatmulFp8Cuda, jax_moe::DecodeMatmulFp
                                   .Ret<ffi::AnyBuffer>()               // out, bf16
                                   .Attr<bool>("gated")                 // silu(gate) * up epilogue
                                   .Attr<int64_t>("rows_per_pass"),     // 1, 2, 4 or 8
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeRouteCuda, jax_moe::DecodeRouteImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // x [T, H], bf16
+                                  .Arg<ffi::AnyBuffer>()               // router [H, E], bf16
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // bias [E] ([1] without)
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // logits [T, E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // topk_weights [T, k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // topk_ids [T, k]
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // partials [slices, T, E]
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // workspace
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("sigmoid")               // scores: sigmoid, else softmax
+                                  .Attr<bool>("renormalize")
+                                  .Attr<float>("renormalize_epsilon")
+                                  .Attr<float>("scaling")
+                                  .Attr<int64_t>("n_group")
+                                  .Attr<int64_t>("topk_group"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeSwigluBackwardCuda, jax_moe::SwigluBackwardImpl,

@@ -26,18 +26,26 @@ GROUPED_MATMUL_DTYPES = (jnp.dtype(jnp.bfloat16),)
 GROUPED_MATMUL_ALIGN = 8
 
 
-def workspace_size(config: MoEConfig) -> int:
-    """int32 words of the workspace: permute's routing counters and the grouped GEMM's arguments.
+# The workspace ends in COUNTER_WORDS words that permute and the GEMMs never touch; its very last
+# word is the decode router's arrival counter (cuda/route_kernels.h), zero between calls: zeroed
+# by init_scratch and reset by the kernel itself. The room before it keeps the counter clear of
+# the GEMM's arguments whatever their 128-byte alignment shift.
+COUNTER_WORDS = 32
 
-    The two are never live at once (each call leaves nothing in it for the next), so they share
-    the buffer and its size is the larger of the two.
+
+def workspace_size(config: MoEConfig) -> int:
+    """int32 words of the workspace: permute's routing counters or the grouped GEMM's arguments,
+    then ``COUNTER_WORDS`` for the decode router.
+
+    The first two are never live at once (each call leaves nothing in it for the next), so they
+    share the buffer and take the larger of the two sizes.
     """
     tiles = -(-config.max_tokens * config.top_k // ROUTING_TILE)
     routing_words = config.num_local_experts * (tiles + 1)
     gemm_bytes = 0
     if config.dtype in GROUPED_MATMUL_DTYPES:
         gemm_bytes = _native.grouped_matmul_workspace_bytes(config.num_local_experts)
-    return max(routing_words, -(-gemm_bytes // 4))
+    return max(routing_words, -(-gemm_bytes // 4)) + COUNTER_WORDS
 
 
 def buffer_shapes(config: MoEConfig) -> dict[str, jax.ShapeDtypeStruct]:
@@ -70,7 +78,8 @@ class MoEScratch:
       group_sizes: [El] int32; rows of each local expert, padded to ``config.align``.
       expert_offsets: [El + 1] int32; exclusive prefix sum of ``group_sizes`` (last = live rows).
       workspace: int32 workspace of the CUDA kernels (permute's per-tile expert counts, the
-        grouped GEMM's per-expert arguments), so that no handler allocates; contents unspecified.
+        grouped GEMM's per-expert arguments), so that no handler allocates; contents unspecified,
+        except the last word: the decode router's arrival counter, zero between calls.
       config: the ``MoEConfig`` these buffers were built for.
     """
 

@@ -1,7 +1,7 @@
 """A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths,
 padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward; the grouped
 GEMM forward and its input- and weight-gradient kernels (also written into a slice of a stack); the
-SwiGLU backward's elementwise kernel (also reading from a stack); the backward's row gather; the decode kernel on bf16 and FP8 weights; with
+SwiGLU backward's elementwise kernel (also reading from a stack); the backward's row gather; the decode kernel on bf16 and FP8 weights; the decode router; with
 --stack, the training stack's gradients. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
@@ -124,6 +124,21 @@ for num_tokens, ffn, hidden_size in ((1, 96, 264), (40, 1024, 264), (1, 768, 204
     print("decode fp8 T", num_tokens, "finite", bool(np.isfinite(np.asarray(fp8_out, np.float32)).all()),
           "gated finite", bool(np.isfinite(np.asarray(fp8_gated, np.float32)).all()),
           "rows past live zero", not np.asarray(fp8_out[live:], np.float32).any())
+
+# The decode router: one token and two token groups (T = 12), softmax and DeepSeek-V3's groups
+# with a bias, E from 8 to 512 (a partial expert tile at E = 8).
+for num_tokens, experts, hidden_size, extra in ((1, 128, 2048, {}), (12, 256, 7168, dict(
+        scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5)), (3, 8, 264, {}), (8, 512, 4096, {})):
+    config = jax_moe.MoEConfig(num_experts=experts, top_k=min(8, experts), hidden_size=hidden_size,
+                               max_tokens=num_tokens, **extra)
+    rng = np.random.default_rng(5)
+    router = (rng.standard_normal((hidden_size, experts)) / 64).astype(jax.numpy.bfloat16)
+    x = rng.standard_normal((num_tokens, hidden_size)).astype(jax.numpy.bfloat16)
+    bias = rng.standard_normal(experts).astype(np.float32) / 8 if extra else None
+    weights, ids, logits, scratch = jax.jit(jax_moe.ops.route_decode)(router, x, jax_moe.init_scratch(config), bias)
+    print("decode route T", num_tokens, "E", experts, "ids in range", bool(((np.asarray(ids) >= 0)
+          & (np.asarray(ids) < experts)).all()), "weights finite", bool(np.isfinite(np.asarray(weights)).all()),
+          "counter zero", int(scratch.workspace[-1]) == 0)
 
 # The training stack on the grouped GEMMs (jax_moe.stack), with --stack: compute-sanitizer's
 # racecheck itself crashed (segmentation fault) while XLA compiled this step on the H200, after

@@ -204,3 +204,133 @@ def test_aux_outputs_and_losses():
     counts = np.array([[5, 1, 3, 3]])
     np.testing.assert_allclose(np.asarray(routing.update_router_bias(jnp.zeros((1, 4)), counts, 0.01)),
                                [[-0.01, 0.01, 0.0, 0.0]])
+
+
+DECODE_ROUTE_CASES = {  # (config kwargs, tokens): the models' router shapes at decode, and edges
+    "qwen3-like-T1": (dict(num_experts=128, top_k=8, hidden_size=2048), 1),
+    "qwen3-like-T16": (dict(num_experts=128, top_k=8, hidden_size=2048), 16),
+    "mixtral-like-T3": (dict(num_experts=8, top_k=2, hidden_size=4096), 3),
+    "deepseek-like-T2": (dict(num_experts=256, top_k=8, hidden_size=7168), 2),
+    "qwen35-like-T8": (dict(num_experts=512, top_k=10, hidden_size=4096), 8),
+    "small-H-k-equals-E": (dict(num_experts=16, top_k=16, hidden_size=136), 5),
+}
+
+
+def _decode_route_inputs(case, with_bias):
+    """(router [H, E] bf16, x [T, H] bf16, bias [E] float32 or None) of a DECODE_ROUTE_CASES case."""
+    kwargs, num_tokens = DECODE_ROUTE_CASES[case]
+    rng = np.random.default_rng(num_tokens * 7 + kwargs["num_experts"])
+    hidden, experts = kwargs["hidden_size"], kwargs["num_experts"]
+    router = jnp.asarray(rng.standard_normal((hidden, experts)) / np.sqrt(hidden), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(experts) / 8, F32) if with_bias else None
+    return router, x, bias
+
+
+def _decode_route(case, routing_kwargs, with_bias, device):
+    kwargs, num_tokens = DECODE_ROUTE_CASES[case]
+    if kwargs["num_experts"] % routing_kwargs.get("n_group", 1) or kwargs["top_k"] > kwargs["num_experts"] // max(
+            1, routing_kwargs.get("n_group", 1)) * routing_kwargs.get("topk_group", 1):
+        pytest.skip("groups must divide the experts and hold k of them")
+    config = MoEConfig(max_tokens=num_tokens, dtype=jnp.bfloat16, **kwargs, **routing_kwargs)
+    router, x, bias = _decode_route_inputs(case, with_bias)
+    with jax.default_device(device):
+        step = jax.jit(lambda r, x, s: jax_moe.ops.route_decode(r, x, s, bias), donate_argnums=2)
+        scratch = init_scratch(config)
+        results = []
+        for _ in range(3):  # the kernel's arrival counter must be back at zero after each call
+            weights, ids, logits, scratch = step(router, x, scratch)
+            results.append((np.asarray(weights), np.asarray(ids), np.asarray(logits)))
+        want_logits = routing.router_logits(router, x)
+    return config, bias, results, np.asarray(want_logits), scratch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(DECODE_ROUTE_CASES))
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_gpu_decode_route_matches_route_logits(case, name, with_bias):
+    """The CUDA decode router: logits within float32 rounding of XLA's product, the ids that
+    route_logits (and the NumPy oracle) choose from the kernel's logits, the same weights within
+    float32 rounding; three calls on one scratch give the same results bitwise (deterministic,
+    counter reset), and the workspace's counter word is zero afterwards."""
+    config, bias, results, want_logits, scratch = _decode_route(case, ROUTINGS[name], with_bias,
+                                                                jax.devices("gpu")[0])
+    assert jax_moe.ops.decode_route_fits(config, want_logits.shape[0], jnp.bfloat16)
+    weights, ids, logits = results[0]
+    for later in results[1:]:
+        for a, b in zip(results[0], later):
+            np.testing.assert_array_equal(a, b)
+    assert int(scratch.workspace[-1]) == 0
+    # Both sums of H products in float32, in different orders: each within a few float32 ulps of
+    # the sum of the products' magnitudes (float64 here) of the exact value.
+    router64, x64 = (np.asarray(a, np.float64) for a in _decode_route_inputs(case, with_bias)[:2])
+    exact, magnitude = x64 @ router64, np.abs(x64) @ np.abs(router64)
+    np.testing.assert_array_less(np.abs(logits - exact), 3e-6 * magnitude + 1e-30)
+    np.testing.assert_array_less(np.abs(want_logits - exact), 3e-6 * magnitude + 1e-30)
+    want_weights, want_ids = routing.route_logits(jnp.asarray(logits), config, bias)
+    np.testing.assert_array_equal(ids, np.asarray(want_ids))
+    np.testing.assert_allclose(weights, np.asarray(want_weights), rtol=4e-6, atol=1e-7)
+    oracle_weights, oracle_ids = _oracle_route(logits, config, bias)
+    np.testing.assert_array_equal(ids, oracle_ids)
+    np.testing.assert_allclose(weights, oracle_weights, rtol=1e-5, atol=1e-7)
+
+
+def test_route_decode_elsewhere_is_route_logits(monkeypatch):
+    """Where the CUDA module exists but the program runs on a CPU the XLA branch is taken (forced
+    here: the platform branch is chosen when lowering), and without the module always: the
+    results are route_logits(router_logits(...)) exactly, the scratch passes through."""
+    for has_cuda in (False, True):
+        monkeypatch.setattr(jax_moe._native, "HAS_CUDA", has_cuda)
+        if has_cuda:
+            monkeypatch.setattr(jax_moe._native, "decode_route_slices", lambda hidden, experts: 1)
+        config = MoEConfig(num_experts=16, top_k=4, hidden_size=64, max_tokens=3, dtype=jnp.bfloat16, **DEEPSEEK_LIKE)
+        rng = np.random.default_rng(3)
+        router = jnp.asarray(rng.standard_normal((64, 16)) / 8, jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
+        bias = jnp.asarray(rng.standard_normal(16) / 8, F32)
+        with jax.default_device(jax.devices("cpu")[0]):
+            weights, ids, logits, scratch = jax.jit(jax_moe.ops.route_decode)(router, x, init_scratch(config), bias)
+            want_logits = routing.router_logits(router, x)
+            want_weights, want_ids = routing.route_logits(want_logits, config, bias)
+        np.testing.assert_array_equal(np.asarray(logits), np.asarray(want_logits))
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+        np.testing.assert_array_equal(np.asarray(weights), np.asarray(want_weights))
+        assert scratch.workspace.shape == init_scratch(config).workspace.shape
+
+
+def test_decode_route_fits_its_limits(monkeypatch):
+    monkeypatch.setattr(jax_moe._native, "HAS_CUDA", True)
+    fits = jax_moe.ops.decode_route_fits
+    qwen3 = MoEConfig(num_experts=128, top_k=8, hidden_size=2048, max_tokens=64, dtype=jnp.bfloat16)
+    assert fits(qwen3, 1, jnp.bfloat16) and fits(qwen3, 16, jnp.bfloat16)
+    assert not fits(qwen3, 17, jnp.bfloat16)  # more tokens than the kernel routes
+    assert not fits(qwen3, 1, jnp.float32)  # a float32 router goes to XLA
+    qwen35 = MoEConfig(num_experts=512, top_k=10, hidden_size=4096, max_tokens=64, dtype=jnp.bfloat16)
+    assert fits(qwen35, 8, jnp.bfloat16) and not fits(qwen35, 9, jnp.bfloat16)  # T * E <= 4096
+    odd = MoEConfig(num_experts=60, top_k=4, hidden_size=2048, max_tokens=4, dtype=jnp.bfloat16)
+    assert not fits(odd, 1, jnp.bfloat16)  # E not a multiple of 8 (Qwen1.5-MoE's 60)
+    many = MoEConfig(num_experts=1024, top_k=8, hidden_size=2048, max_tokens=4, dtype=jnp.bfloat16)
+    assert not fits(many, 1, jnp.bfloat16)  # more experts than the kernel's 512
+    monkeypatch.setattr(jax_moe._native, "HAS_CUDA", False)
+    assert not fits(qwen3, 1, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing_name", ["softmax-renormalized", "deepseek-v3"])
+def test_gpu_decode_stack_uses_the_decode_router_and_training_does_not(routing_name):
+    num_tokens = jax_moe.stack.DECODE_ROUTE_TOKENS
+    config = MoEConfig(num_experts=64, top_k=6, hidden_size=256, max_tokens=num_tokens, dtype=jnp.bfloat16,
+                       **ROUTINGS[routing_name])
+    params = init_moe_params(jax.random.key(0), config, 2, 128, router_bias=routing_name != "softmax-renormalized",
+                             shared_ffn_size=128)
+    x = jax.random.normal(jax.random.key(1), (num_tokens, 256)).astype(jnp.bfloat16)
+    step = jax.jit(lambda p, x, s: moe_stack(p, x, s, with_aux=True))
+    assert "jax_moe_decode_route" in step.lower(params, x, init_scratch(config)).compile().as_text()
+    got, _, aux = step(params, x, init_scratch(config))
+    want = baseline_moe_stack(params, x, config)
+    np.testing.assert_allclose(np.asarray(got, F32), np.asarray(want, F32), rtol=3e-2, atol=3e-2)
+    assert aux["router_logits"].shape == (2, num_tokens, 64)
+    assert int(aux["expert_counts"].sum()) == 2 * num_tokens * 6
+    grad = jax.jit(jax.grad(lambda p, x, s: jnp.sum(moe_stack(p, x, s)[0].astype(F32))))
+    assert "jax_moe_decode_route" not in grad.lower(params, x, init_scratch(config)).compile().as_text()

@@ -1,0 +1,345 @@
+// The decode router (route_kernels.h). Grid: x = a tile of 64 experts, y = a slice of H, z = a
+// group of up to 8 tokens. In a block each lane owns 8 consecutive experts (one 16-byte load of a
+// router row) and 8 consecutive rows of H per step (one 16-byte load of each token's x); lanes and
+// warps split the slice and a fixed-order reduction sums their parts. The last block to arrive
+// sums the slices in slice order and routes: one warp per token for the softmax and the top-k.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "bf16_vector.cuh"
+#include "route_kernels.h"
+
+namespace jax_moe {
+namespace {
+
+using Bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTileExperts = 64;                  // 8 lanes x 8 experts
+constexpr int kLanesPerRow = kTileExperts / 8;    // lanes sharing a step's rows
+constexpr int kStepRows = 8;                      // rows of H a lane takes per step
+constexpr int kBlockRows = kWarps * (32 / kLanesPerRow) * kStepRows;  // rows of H per block step: 256
+constexpr int kGroupTokens = 8;                   // tokens per block (grid z)
+constexpr int kInFlight = 2;                      // steps whose router loads a lane issues at once
+constexpr int kMaxTokens = 16;
+constexpr int kMaxPairs = 4096;                   // T * E held in shared memory
+constexpr int kMaxTopK = 32;
+constexpr int kMaxExperts = 512;
+constexpr int kMaxPerLane = kMaxExperts / 32;
+constexpr int kMaxGroups = 32;
+constexpr int kMaxSlices = 8;                     // slices of H: the last block reads 8 x T x E sums
+constexpr int kPairsAtOnce = 4;                   // pairs whose sums a thread loads at once
+
+// The router is read once: keep it out of L1.
+__device__ __forceinline__ uint4 LoadStreaming(const Bf16* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(~0u, v, d));
+  return v;
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int d = 16; d > 0; d >>= 1) v = __fadd_rn(v, __shfl_xor_sync(~0u, v, d));
+  return v;
+}
+
+// Shared memory of the block: the reduction's per-warp parts while reducing, then the routing's
+// arrays in the last block.
+struct RouteShared {
+  union {
+    float warp_parts[kWarps][kGroupTokens][kTileExperts];
+    struct {
+      float scores[kMaxPairs];
+      float choice[kMaxPairs];
+      float group_score[kMaxTokens][kMaxGroups];
+      int eligible[kMaxTokens][kMaxGroups];
+      float chosen_score[kMaxTokens][kMaxTopK];
+      int chosen_id[kMaxTokens][kMaxTopK];
+    } route;
+  };
+  int is_last;
+};
+
+// The last block: sum the slices, score, choose and weigh every token's experts.
+__device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
+  const int num_tokens = static_cast<int>(a.num_tokens), num_experts = static_cast<int>(a.num_experts);
+  const int top_k = static_cast<int>(a.top_k), pairs = num_tokens * num_experts;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* scores = s.route.scores;
+  float* choice = s.route.choice;
+  // Pair i's slices are at partials[slice * pairs + i]. Four pairs' loads go out together (the
+  // sums are a chain of L2 round trips otherwise: 20 us at T = 16), then each sums in slice order.
+  for (int base = threadIdx.x; base < pairs; base += kPairsAtOnce * kThreads) {
+    float part[kPairsAtOnce][kMaxSlices];
+#pragma unroll
+    for (int m = 0; m < kPairsAtOnce; ++m)
+#pragma unroll
+      for (int slice = 0; slice < kMaxSlices; ++slice) {
+        const int i = base + m * kThreads;
+        part[m][slice] = i < pairs && slice < slices ? __ldcg(a.partials + slice * pairs + i) : 0.0f;
+      }
+#pragma unroll
+    for (int m = 0; m < kPairsAtOnce; ++m) {
+      const int i = base + m * kThreads;
+      float sum = 0.0f;
+#pragma unroll
+      for (int slice = 0; slice < kMaxSlices; ++slice)
+        if (slice < slices) sum = __fadd_rn(sum, part[m][slice]);
+      if (i < pairs) {
+        a.logits[i] = sum;
+        scores[i] = sum;
+      }
+    }
+  }
+  if (threadIdx.x == 0) *a.counter = 0;  // for the next call (stream order publishes it)
+  __syncthreads();
+
+  if (a.sigmoid) {
+    for (int i = threadIdx.x; i < pairs; i += kThreads) scores[i] = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-scores[i])));
+  } else {
+    for (int t = warp; t < num_tokens; t += kWarps) {
+      float* row = scores + t * num_experts;
+      float most = -INFINITY;
+      for (int e = lane; e < num_experts; e += 32) most = fmaxf(most, row[e]);
+      most = WarpMax(most);
+      float sum = 0.0f;
+      for (int e = lane; e < num_experts; e += 32) {
+        row[e] = expf(__fsub_rn(row[e], most));
+        sum = __fadd_rn(sum, row[e]);
+      }
+      sum = WarpSum(sum);
+      for (int e = lane; e < num_experts; e += 32) row[e] = __fdiv_rn(row[e], sum);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < pairs; i += kThreads)
+    choice[i] = a.bias != nullptr ? __fadd_rn(scores[i], a.bias[i % num_experts]) : scores[i];
+  __syncthreads();
+
+  if (a.n_group > 1) {
+    const int n_group = static_cast<int>(a.n_group), group_size = num_experts / n_group;
+    for (int i = threadIdx.x; i < num_tokens * n_group; i += kThreads) {
+      const int t = i / n_group, g = i % n_group;
+      const float* members = choice + t * num_experts + g * group_size;
+      float first = -INFINITY, second = -INFINITY;
+      for (int m = 0; m < group_size; ++m) {
+        const float v = members[m];
+        if (v > first) {
+          second = first;
+          first = v;
+        } else if (v > second) {
+          second = v;
+        }
+      }
+      s.route.group_score[t][g] = __fadd_rn(first, second);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_tokens * n_group; i += kThreads) {
+      const int t = i / n_group, g = i % n_group;
+      const float v = s.route.group_score[t][g];
+      int rank = 0;
+      for (int h = 0; h < n_group; ++h) {
+        const float u = s.route.group_score[t][h];
+        rank += (u > v) || (u == v && h < g);
+      }
+      s.route.eligible[t][g] = rank < a.topk_group;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < pairs; i += kThreads)
+      if (!s.route.eligible[i / num_experts][i % num_experts / group_size]) choice[i] = -INFINITY;
+    __syncthreads();
+  }
+
+  // One warp per token takes its k best choices in k rounds of a warp arg-max (greater first, ties
+  // to the lower index, as lax.top_k). Lane l holds experts l, l + 32, ...; lane j keeps the j-th.
+  for (int t = warp; t < num_tokens; t += kWarps) {
+    const float* row = choice + t * num_experts;
+    float value[kMaxPerLane];
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      const int e = i * 32 + lane;
+      value[i] = e < num_experts ? row[e] : -INFINITY;
+    }
+    unsigned taken = 0;  // bit i: value[i] is chosen already, or holds no expert
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i)
+      if (i * 32 + lane >= num_experts) taken |= 1u << i;
+    int chosen = 0;
+    for (int j = 0; j < top_k; ++j) {
+      float best = -INFINITY;
+      int index = INT_MAX;
+#pragma unroll
+      for (int i = 0; i < kMaxPerLane; ++i)
+        if (!(taken >> i & 1) && (index == INT_MAX || value[i] > best)) best = value[i], index = i * 32 + lane;
+      for (int d = 16; d > 0; d >>= 1) {
+        const float other = __shfl_xor_sync(~0u, best, d);
+        const int other_index = __shfl_xor_sync(~0u, index, d);
+        if (other_index != INT_MAX && (index == INT_MAX || other > best || (other == best && other_index < index)))
+          best = other, index = other_index;
+      }
+      if ((index & 31) == lane) taken |= 1u << (index >> 5);
+      if (lane == j) chosen = index;
+    }
+    if (lane < top_k) {
+      float weight = scores[t * num_experts + chosen];
+      s.route.chosen_score[t][lane] = weight;
+      s.route.chosen_id[t][lane] = chosen;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < num_tokens * top_k; i += kThreads) {
+    const int t = i / top_k, j = i % top_k;
+    float weight = s.route.chosen_score[t][j];
+    if (a.renormalize) {
+      float sum = 0.0f;
+      for (int m = 0; m < top_k; ++m) sum = __fadd_rn(sum, s.route.chosen_score[t][m]);
+      weight = __fdiv_rn(weight, __fadd_rn(sum, a.renormalize_epsilon));
+    }
+    if (a.scaling != 1.0f) weight = __fmul_rn(weight, a.scaling);
+    a.topk_weights[i] = weight;
+    a.topk_ids[i] = s.route.chosen_id[t][j];
+  }
+}
+
+template <int kTokens>
+__global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a, int64_t slice_rows) {
+  __shared__ RouteShared s;
+  const int64_t hidden = a.hidden, num_experts = a.num_experts;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int vec = lane % kLanesPerRow, lane_k = lane / kLanesPerRow;
+  const int first_token = blockIdx.z * kGroupTokens;
+  const int tokens = min(kTokens, static_cast<int>(a.num_tokens) - first_token);
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kTileExperts + vec * 8;
+  const bool col_ok = col < num_experts;  // E is a multiple of 8: a lane's 8 experts are all in or out
+  const int64_t row_begin = blockIdx.y * slice_rows;
+  const int64_t row_end = min(hidden, row_begin + slice_rows);
+  const Bf16* router = static_cast<const Bf16*>(a.router) + col;
+  const Bf16* x = static_cast<const Bf16*>(a.x) + first_token * hidden;
+
+  float acc[kTokens][8];
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[t][c] = 0.0f;
+  // Two steps' router loads in flight before their arithmetic: a slice is a few steps of one
+  // round trip each (DeepSeek-V3: four), so the reduction is latency-bound.
+  for (int64_t r0 = row_begin + (warp * (32 / kLanesPerRow) + lane_k) * kStepRows; r0 < row_end;
+       r0 += kInFlight * kBlockRows) {
+    uint4 w[kInFlight][kStepRows];
+#pragma unroll
+    for (int s = 0; s < kInFlight; ++s)
+#pragma unroll
+      for (int i = 0; i < kStepRows; ++i) {
+        const int64_t r = r0 + s * kBlockRows;
+        w[s][i] = col_ok && r < row_end ? LoadStreaming(router + (r + i) * num_experts) : uint4{};
+      }
+#pragma unroll
+    for (int s = 0; s < kInFlight; ++s) {
+      const int64_t r = r0 + s * kBlockRows;
+      if (r >= row_end) continue;
+      float wf[kStepRows][8];
+#pragma unroll
+      for (int i = 0; i < kStepRows; ++i) Unpack(w[s][i], wf[i]);
+#pragma unroll
+      for (int t = 0; t < kTokens; ++t) {
+        if (t < tokens) {
+          float xf[8];
+          Unpack(__ldg(reinterpret_cast<const uint4*>(x + t * hidden + r)), xf);
+#pragma unroll
+          for (int i = 0; i < kStepRows; ++i)
+#pragma unroll
+            for (int c = 0; c < 8; ++c) acc[t][c] = __fmaf_rn(xf[i], wf[i][c], acc[t][c]);
+        }
+      }
+    }
+  }
+  // Lanes of the same experts (a fixed butterfly), then the warps in order.
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t)
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+#pragma unroll
+      for (int d = kLanesPerRow; d < 32; d <<= 1) acc[t][c] = __fadd_rn(acc[t][c], __shfl_xor_sync(~0u, acc[t][c], d));
+  if (lane_k == 0) {
+#pragma unroll
+    for (int t = 0; t < kTokens; ++t)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) s.warp_parts[warp][t][vec * 8 + c] = acc[t][c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < tokens * kTileExperts; i += kThreads) {
+    const int t = i / kTileExperts, j = i % kTileExperts;
+    const int64_t e = static_cast<int64_t>(blockIdx.x) * kTileExperts + j;
+    if (e >= num_experts) continue;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum = __fadd_rn(sum, s.warp_parts[w][t][j]);
+    a.partials[(blockIdx.y * a.num_tokens + first_token + t) * num_experts + e] = sum;  // [slice][t][e]
+  }
+
+  // Publish this block's sums, then count it in; the last block in routes.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int blocks = static_cast<int>(gridDim.x * gridDim.y * gridDim.z);
+    s.is_last = atomicAdd(a.counter, 1) == blocks - 1;
+  }
+  __syncthreads();
+  if (!s.is_last) return;
+  __threadfence();
+  Route(a, static_cast<int>(gridDim.y), s);
+}
+
+}  // namespace
+
+int64_t DecodeRouteSlices(int64_t hidden, int64_t) {
+  // More slices would spread the router over more SMs (DeepSeek-V3's 3.7 MB over 32 blocks of 115
+  // KB here) but lengthen the last block's sums.
+  return std::clamp<int64_t>((hidden + kBlockRows - 1) / kBlockRows, 1, kMaxSlices);
+}
+
+bool DecodeRouteFits(int64_t num_tokens, int64_t hidden, int64_t num_experts, int64_t top_k, int64_t n_group,
+                     int64_t topk_group) {
+  return num_tokens >= 1 && num_tokens <= kMaxTokens && num_experts >= 8 && num_experts <= kMaxExperts &&
+         num_tokens * num_experts <= kMaxPairs &&
+         hidden >= 8 && hidden % 8 == 0 && num_experts % 8 == 0 && top_k >= 1 && top_k <= num_experts &&
+         top_k <= kMaxTopK && n_group >= 1 && n_group <= kMaxGroups && num_experts % n_group == 0 &&
+         (n_group == 1 || num_experts / n_group >= 2) && topk_group >= 1 && topk_group <= n_group;
+}
+
+cudaError_t LaunchDecodeRoute(const DecodeRouteArgs& a, cudaStream_t stream) {
+  if (!DecodeRouteFits(a.num_tokens, a.hidden, a.num_experts, a.top_k, a.n_group, a.topk_group) ||
+      a.x == nullptr || a.router == nullptr || a.partials == nullptr || a.logits == nullptr ||
+      a.topk_weights == nullptr || a.topk_ids == nullptr || a.counter == nullptr)
+    return cudaErrorInvalidValue;
+  const int64_t tiles = (a.num_experts + kTileExperts - 1) / kTileExperts;
+  const int64_t slices = DecodeRouteSlices(a.hidden, a.num_experts);
+  // Slices of whole block steps: every lane's 8 rows lie inside H.
+  const int64_t slice_rows = ((a.hidden + kBlockRows - 1) / kBlockRows + slices - 1) / slices * kBlockRows;
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(slices),
+                  static_cast<unsigned>((a.num_tokens + kGroupTokens - 1) / kGroupTokens));
+  const int64_t tokens = std::min<int64_t>(a.num_tokens, kGroupTokens);
+  if (tokens == 1) {
+    DecodeRouteKernel<1><<<grid, kThreads, 0, stream>>>(a, slice_rows);
+  } else if (tokens == 2) {
+    DecodeRouteKernel<2><<<grid, kThreads, 0, stream>>>(a, slice_rows);
+  } else if (tokens <= 4) {
+    DecodeRouteKernel<4><<<grid, kThreads, 0, stream>>>(a, slice_rows);
+  } else {
+    DecodeRouteKernel<8><<<grid, kThreads, 0, stream>>>(a, slice_rows);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace jax_moe
