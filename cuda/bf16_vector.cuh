@@ -1,5 +1,5 @@
-// Eight bf16 values in one 16-byte vector (a uint4) to float32 and back, for device code that
-// loads and stores rows 16 bytes at a time.
+// Eight bf16 values in one 16-byte vector (a uint4) to float32 and back, and a streaming load of
+// one, for device code that loads and stores rows 16 bytes at a time.
 #ifndef JAX_MOE_BF16_VECTOR_CUH_
 #define JAX_MOE_BF16_VECTOR_CUH_
 
@@ -28,6 +28,16 @@ __device__ __forceinline__ uint4 Pack(const float (&f)[8]) {
     words[i] = *reinterpret_cast<const uint32_t*>(&pair);
   }
   return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// Eight bf16 values read once per call (weights streamed from HBM): a read-only load that does
+// not allocate in L1, so the data every lane rereads (the rows) stays there.
+__device__ __forceinline__ uint4 LoadStreaming(const __nv_bfloat16* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
 }
 
 }  // namespace jax_moe
