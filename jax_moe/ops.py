@@ -232,9 +232,10 @@ def route_decode(router: jax.Array, x: jax.Array, scratch: MoEScratch, bias: jax
     route_logits of the kernel's logits; logits and weights within float32 rounding of XLA's (other
     summation orders). Elsewhere, the XLA path. No autodiff rule: for inference (``jax_moe.stack``
     takes it in a forward without a backward, at T <= ``stack.DECODE_ROUTE_TOKENS``). Measured on
-    the H200 at T = 1: 8.6 µs for Qwen3-30B's router (XLA's kernels for the same math about 13 µs),
-    12.5 µs for DeepSeek-V3's; its reduction of H is a chain of dependent round trips (router
-    loads, the partial sums, the arrival counter, the last block's reads), not bandwidth-bound.
+    the H200 at T = 1: 8.6 µs for Qwen3-30B's router (XLA's kernels for the same math about 13 µs);
+    12.5 µs for DeepSeek-V3's in the version before its two steps of loads in flight (not timed
+    alone since). Its reduction of H is a chain of dependent round trips (router loads, the partial
+    sums, the arrival counter, the last block's reads), not bandwidth-bound.
     """
     config = scratch.config
     want = {"router": (config.hidden_size, config.num_experts), "x": (jnp.shape(x)[0], config.hidden_size),
