@@ -107,7 +107,8 @@ def test_workspace_is_reserved_only_for_gemm_dtypes():
     f32 = MoEConfig(num_experts=256, top_k=8, hidden_size=64, max_tokens=4, dtype=jnp.float32)
     need = jax_moe._native.grouped_matmul_workspace_bytes(256)
     assert init_scratch(bf16).workspace.nbytes >= need
-    assert init_scratch(f32).workspace.nbytes == 256 * 2 * 4  # routing counters only
+    # Routing counters, then the words kept for the decode router's arrival counter.
+    assert init_scratch(f32).workspace.nbytes == (256 * 2 + jax_moe.scratch.COUNTER_WORDS) * 4
     if jax_moe._native.HAS_CUDA:
         assert need > 256 * 64  # per-expert arguments and CUTLASS's per-SM descriptors
 
