@@ -10,6 +10,7 @@
 #include "ffi_shapes.h"
 #include "gpu_kernels.h"
 #include "grouped_gemm.h"
+#include "grouped_gemm_fp8.h"
 #include "route_kernels.h"
 #include "swiglu_kernels.h"
 #include "xla/ffi/api/ffi.h"
@@ -358,6 +359,45 @@ ffi::Error DecodeRouteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   return CudaStatus(LaunchDecodeRoute(args, stream), "decode_route");
 }
 
+// The FP8 prefill grouped GEMM (grouped_gemm_fp8.h). rows [R, K] bf16 are
+// quantised per 1 x 128 group into the q_rows / row_scale results (temporaries of the call), then
+// multiplied with weights [El, N, K] float8_e4m3fn and their scales [El, N / 128, K / 128].
+ffi::Error Fp8GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
+                                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> expert_offsets,
+                                ffi::Buffer<ffi::S32>, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Result<ffi::Buffer<ffi::S32>> workspace, ffi::Result<ffi::AnyBuffer> q_rows,
+                                ffi::Result<ffi::Buffer<ffi::F32>> row_scale) {
+  const auto rd = rows.dimensions();
+  const auto wd = weights.dimensions();
+  const auto od = out->dimensions();
+  if (rd.size() != 2 || wd.size() != 3 || od.size() != 2 || rows.element_type() != ffi::BF16 ||
+      weights.element_type() != ffi::F8E4M3FN || out->element_type() != ffi::BF16 || wd[2] != rd[1] ||
+      od[1] != wd[1] || od[0] > rd[0] || wd[1] % 128 != 0 || wd[2] % 128 != 0 ||
+      static_cast<int64_t>(scale.element_count()) != wd[0] * (wd[1] / 128) * (wd[2] / 128) ||
+      static_cast<int64_t>(expert_offsets.element_count()) != wd[0] + 1 ||
+      static_cast<int64_t>(q_rows->element_count()) != od[0] * rd[1] ||
+      static_cast<int64_t>(row_scale->element_count()) != od[0] * (rd[1] / 128))
+    return InvalidArgument("fp8_grouped_matmul: expected bf16 rows [R, K], float8_e4m3fn weights [El, N, K] with "
+                           "float32 scales [El, N / 128, K / 128], K and N multiples of 128, out [<= R, N]");
+  const int64_t out_rows = od[0], k = rd[1];
+  cudaError_t status = LaunchQuantizeRows(rows.untyped_data(), q_rows->untyped_data(), row_scale->typed_data(),
+                                          out_rows, k, stream);
+  if (status != cudaSuccess) return CudaStatus(status, "fp8_grouped_matmul: quantize rows");
+  const uintptr_t base = reinterpret_cast<uintptr_t>(workspace->untyped_data());
+  const uintptr_t aligned = (base + 127) / 128 * 128;
+  Fp8GroupedGemmArgs args;
+  args.a = q_rows->untyped_data();
+  args.a_scale = row_scale->typed_data();
+  args.b = weights.untyped_data();
+  args.b_scale = scale.typed_data();
+  args.expert_offsets = expert_offsets.typed_data();
+  args.out = out->untyped_data();
+  args.workspace = reinterpret_cast<void*>(aligned);
+  args.workspace_bytes = workspace->size_bytes() > aligned - base ? workspace->size_bytes() - (aligned - base) : 0;
+  args.out_rows = out_rows, args.num_groups = wd[0], args.k = k, args.n = wd[1];
+  return CudaStatus(LaunchFp8GroupedGemm(args, stream), "fp8_grouped_matmul");
+}
+
 // SwiGLU's backward (swiglu_kernels.h). hidden [R, 2F], or with `stacked` a stack [L, ...] whose
 // slice `layer` (a scalar read on the device) holds the [R, 2F] product flattened at element
 // `offset`; d_activated [R, F]; row_weights [R] when weighted.
@@ -505,6 +545,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeRouteCuda, jax_moe::DecodeRouteImpl,
                                   .Attr<float>("scaling")
                                   .Attr<int64_t>("n_group")
                                   .Attr<int64_t>("topk_group"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8GroupedMatmulCuda, jax_moe::Fp8GroupedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // rows [R, K], bf16
+                                  .Arg<ffi::AnyBuffer>()               // weights [El, N, K], float8_e4m3fn
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // scale [El, N / 128, K / 128]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
+                                  .Ret<ffi::AnyBuffer>()               // out [out_rows, N], bf16
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // workspace
+                                  .Ret<ffi::AnyBuffer>()               // q_rows [out_rows, K] (temporary)
+                                  .Ret<ffi::Buffer<ffi::F32>>(),       // row_scale [out_rows, K / 128] (temporary)
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeSwigluBackwardCuda, jax_moe::SwigluBackwardImpl,

@@ -16,6 +16,7 @@ GATHER_ROWS_TARGET = "jax_moe_gather_rows"  # CUDA only
 DECODE_MATMUL_TARGET = "jax_moe_decode_matmul"  # CUDA only
 DECODE_MATMUL_FP8_TARGET = "jax_moe_decode_matmul_fp8"  # CUDA only
 DECODE_ROUTE_TARGET = "jax_moe_decode_route"  # CUDA only
+FP8_GROUPED_MATMUL_TARGET = "jax_moe_fp8_grouped_matmul"  # CUDA only
 SWIGLU_BACKWARD_TARGET = "jax_moe_swiglu_backward"  # CUDA only
 UNINITIALIZED_TARGET = "jax_moe_uninitialized"
 
@@ -42,6 +43,11 @@ HAS_CUDA = _CUDA_MODULE is not None
 def grouped_matmul_workspace_bytes(num_groups: int) -> int:
     """Bytes of workspace the CUDA grouped GEMM needs for num_groups experts; 0 without the module."""
     return 0 if _CUDA_MODULE is None else int(_CUDA_MODULE.grouped_matmul_workspace_bytes(num_groups))
+
+
+def fp8_grouped_matmul_workspace_bytes(num_groups: int) -> int:
+    """Bytes of workspace the CUDA FP8 prefill GEMM needs for num_groups experts; 0 without the module."""
+    return 0 if _CUDA_MODULE is None else int(_CUDA_MODULE.fp8_grouped_matmul_workspace_bytes(num_groups))
 
 
 def decode_route_slices(hidden: int, num_experts: int) -> int:

@@ -13,18 +13,23 @@ float32 (never rounding the weight to bf16, so it differs from the dequantised w
 bf16 rounding), so a step reads half the bytes of bf16 experts. Elsewhere (CPU; GPU prefill) each
 layer dequantises its experts, then runs the bf16 experts: FP8 params halve the experts' memory (a
 DeepSeek-V3 checkpoint loads as stored), but such a step is slower than bf16, since the
-dequantised copy of every expert of the layer is written and read once per step. An FP8
-tensor-core grouped GEMM for prefill is not built yet.
+dequantised copy of every expert of the layer is written and read once per step.
+
+``gemm.fp8_prefill_forward`` is the FP8 tensor-core grouped GEMM for prefill (the rows quantised by
+``quantize_rows``); it reads the checkpoint's [El, N, K] layout, which FP8 wgmma needs, so the
+layers (whose FP8 params are [K, N] for the decode kernel) do not use it yet.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 BLOCK = 128
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+INV_FP8_MAX = np.float32(1.0) / np.float32(FP8_MAX)  # rounded once, as the CUDA kernels' 1.0f / 448.0f
 SCALE_SUFFIX = "_scale_inv"
 QUANTIZED_NAMES = ("gate_up", "down")
 
@@ -63,6 +68,29 @@ def dequantize(q: jax.Array, scale_inv: jax.Array, dtype=jnp.float32) -> jax.Arr
     """``q * scale_inv`` block by block, in float32, then cast to dtype: [..., K, N]."""
     k, n = q.shape[-2:]
     return (q.astype(jnp.float32) * _expand(scale_inv, k, n)).astype(dtype)
+
+
+def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Activations for the FP8 prefill GEMM: rows [R, K] (K a multiple of 128) ->
+    ``(q [R, K] float8_e4m3fn, scale [R, K/128] float32)``, per 1 x 128 group of each row.
+
+    scale = max |x| * (1 / 448) (1 for an all-zero group) and q = x * (1 / scale) rounded to
+    nearest, saturating at 448: each step one IEEE float32 operation, so the CUDA kernel
+    (``cuda/grouped_gemm_fp8.cu``, QuantizeRows) writes the same bytes. (Written with a reciprocal
+    because XLA's CPU backend turns ``x / y`` into a multiply by an approximate reciprocal.)
+    """
+    r, k = rows.shape
+    groups = rows.astype(jnp.float32).reshape(r, k // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(groups), axis=-1)
+    scale = jnp.where(amax > 0, amax * INV_FP8_MAX, 1.0).astype(jnp.float32)
+    q = jnp.clip(groups * (1.0 / scale)[..., None], -FP8_MAX, FP8_MAX).astype(FP8).reshape(r, k)
+    return q, scale
+
+
+def dequantize_rows(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """``quantize_rows``' inverse to within e4m3 rounding: [R, K] of dtype."""
+    r, k = q.shape
+    return (q.astype(jnp.float32).reshape(r, k // BLOCK, BLOCK) * scale[..., None]).reshape(r, k).astype(dtype)
 
 
 def is_quantized(params: dict) -> bool:

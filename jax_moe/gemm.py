@@ -458,3 +458,72 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, scratch: MoEScratch, *,
                          f"LARGE_M_TILE, DECODE_TILE) or None, got {tile!r}")
     out, workspace = _grouped_matmul(rows, weights, scratch.expert_offsets, scratch.workspace, num_rows, tile)
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
+
+
+def fp8_workspace(num_groups: int) -> jax.Array:
+    """A workspace for ``fp8_prefill_forward``: the FP8 GEMM's per-group arguments (int32 words)."""
+    return jnp.zeros((max(1, -(-_native.fp8_grouped_matmul_workspace_bytes(num_groups) // 4)),), jnp.int32)
+
+
+def _fp8_grouped_matmul_call(rows, weights_nk, scale_nk, offsets, workspace, num_rows: int):
+    """The CUDA call of ``fp8_prefill_forward``: ``(out, workspace, q_rows, row_scale)``, the last two
+    the call's quantised rows (``fp8.quantize_rows(rows[:num_rows])``, temporaries; tests read them)."""
+    n, k = weights_nk.shape[1:]
+    call = jax.ffi.ffi_call(
+        _native.FP8_GROUPED_MATMUL_TARGET,
+        (jax.ShapeDtypeStruct((num_rows, n), rows.dtype), jax.ShapeDtypeStruct(workspace.shape, workspace.dtype),
+         jax.ShapeDtypeStruct((num_rows, k), fp8.FP8), jax.ShapeDtypeStruct((num_rows, k // fp8.BLOCK), jnp.float32)),
+        input_output_aliases={4: 1}, vmap_method="sequential")
+    return fence_results(call(rows, weights_nk, scale_nk, offsets, workspace))
+
+
+def _check_fp8_prefill(rows, weights_nk, scale_nk, offsets, num_rows):
+    """Trace-time ValueErrors for ``fp8_prefill_forward``'s operands."""
+    op = "fp8_prefill_forward"
+    if jnp.ndim(weights_nk) != 3 or jnp.dtype(weights_nk.dtype) != jnp.dtype(fp8.FP8):
+        raise ValueError(f"{op}: weights_nk: expected float8_e4m3fn [El, N, K], got {weights_nk.dtype} "
+                         f"{tuple(jnp.shape(weights_nk))}")
+    num_groups, n, k = weights_nk.shape
+    if jnp.ndim(rows) != 2 or rows.shape[1] != k:
+        raise ValueError(f"{op}: rows: expected [R, K={k}], got {tuple(jnp.shape(rows))}")
+    want = (num_groups, fp8.num_blocks(n), fp8.num_blocks(k))
+    if tuple(jnp.shape(scale_nk)) != want or jnp.dtype(scale_nk.dtype) != jnp.float32:
+        raise ValueError(f"{op}: scale_nk: expected float32 {want}, got {scale_nk.dtype} {tuple(jnp.shape(scale_nk))}")
+    if tuple(jnp.shape(offsets)) != (num_groups + 1,) or jnp.dtype(offsets.dtype) != jnp.int32:
+        raise ValueError(f"{op}: offsets: expected int32 [{num_groups + 1}], got {offsets.dtype} "
+                         f"{tuple(jnp.shape(offsets))}")
+    if not 0 <= num_rows <= rows.shape[0]:
+        raise ValueError(f"{op}: num_rows: expected 0..{rows.shape[0]} (the rows), got {num_rows}")
+
+
+def fp8_prefill_forward(rows, weights_nk, scale_nk, offsets, workspace, num_rows: int):
+    """``[num_rows, N]`` bf16: each expert's rows, quantised per 1 x 128 group of a row
+    (``fp8.quantize_rows``), times its FP8 weights, on Hopper's FP8 tensor cores (CUTLASS's
+    blockwise-scaled grouped GEMM, float32 accumulation); rows in no group are zero.
+
+    Args:
+      rows: [R >= num_rows, K] bf16 grouped by expert (``permute``'s layout).
+      weights_nk: [El, N, K] float8_e4m3fn, the checkpoint's [out, in] layout (FP8 wgmma reads both
+        operands K-major); scale_nk: [El, N/128, K/128] float32 (DeepSeek-V3's weight_scale_inv).
+      offsets: [El + 1] int32 expert offsets; workspace: ``fp8_workspace(El)``, threaded through.
+      num_rows: static row count of the result (the live-row bound).
+
+    Returns ``(out, workspace)``. Off CUDA (or for shapes it does not take: K or N not a multiple of
+    128, rows not bf16) the same math on dequantised operands, float32 accumulation (``ragged_dot``).
+    Not yet used by the layers: their FP8 params are stored [El, K, N] for the decode kernel.
+    """
+    _check_fp8_prefill(rows, weights_nk, scale_nk, offsets, num_rows)
+    num_groups, n, k = weights_nk.shape
+
+    def fallback(r, w, s, o, ws):
+        q, row_scale = fp8.quantize_rows(r[:num_rows])
+        a = fp8.dequantize_rows(q, row_scale, jnp.float32)
+        b = jnp.swapaxes(fp8.dequantize(w, s, jnp.float32), -1, -2)  # [El, K, N]
+        return _ragged_dot(a, b, o).astype(r.dtype), ws
+
+    def native(r, w, s, o, ws):
+        return _fp8_grouped_matmul_call(r, w, s, o, ws, num_rows)[:2]
+
+    if not (rows.dtype == jnp.bfloat16 and k % fp8.BLOCK == 0 and n % fp8.BLOCK == 0):
+        return fallback(rows, weights_nk, scale_nk, offsets, workspace)
+    return _on_cuda(native, fallback, rows, weights_nk, scale_nk, offsets, workspace)

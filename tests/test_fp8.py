@@ -222,3 +222,119 @@ def test_gpu_fp8_decode_kernel_reads_every_e4m3_value_exactly():
     want = np.asarray(fp8.dequantize(q, scale_inv))[0][picked]
     np.testing.assert_array_equal(np.asarray(got, np.float32), want)
     assert np.unique(bits[picked], axis=None).size == 254  # every finite pattern was read
+
+
+def test_quantize_rows_round_trip_within_e4m3_rounding():
+    """The FP8 prefill GEMM's activation quantisation: per 1 x 128 group of each row."""
+    rows = jax.random.normal(jax.random.key(3), (9, 384)) * jnp.linspace(0.01, 5.0, 384)
+    rows = rows.at[4, 128:256].set(0.0).astype(BF16)  # an all-zero group: scale 1
+    q, scale = fp8.quantize_rows(rows)
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == rows.shape and scale.shape == (9, 3)
+    assert float(scale[4, 1]) == 1.0 and not np.asarray(q[4, 128:256], np.float32).any()
+    x = np.asarray(rows, np.float32)
+    error = np.abs(np.asarray(fp8.dequantize_rows(q, scale)) - x)
+    bound = 2.0 ** -4 * np.abs(x) + 2.0 ** -10 * np.repeat(np.asarray(scale), 128, axis=1)
+    assert (error <= bound).all()
+
+
+def test_quantize_rows_is_ieee_float32_step_by_step():
+    """quantize_rows' bytes are those of IEEE float32 steps (the CUDA kernel's math): max|x| times
+    the rounded 1/448, its exact reciprocal, a product, one round-to-nearest-even into e4m3."""
+    import ml_dtypes
+    rows = (jax.random.normal(jax.random.key(4), (64, 512)) * jnp.linspace(0.01, 50.0, 512)).astype(BF16)
+    q, scale = jax.jit(fp8.quantize_rows)(rows)
+    x = np.asarray(rows, np.float32).reshape(64, 4, 128)
+    amax = np.abs(x).max(-1)
+    want_scale = np.where(amax > 0, amax * (np.float32(1) / np.float32(448)), np.float32(1)).astype(np.float32)
+    inverse = (np.float32(1) / want_scale).astype(np.float32)
+    want_q = np.clip(x * inverse[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn).reshape(64, 512)
+    np.testing.assert_array_equal(np.asarray(scale), want_scale)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
+
+
+def _prefill_case(seed, groups, k, n, sizes):
+    key = jax.random.key(seed)
+    w = jax.random.normal(key, (groups, n, k)) / np.sqrt(k)
+    q, scale = fp8.quantize(w)  # [El, N, K] with [El, N/128, K/128] scales: the checkpoint's layout
+    rows = jax.random.normal(jax.random.fold_in(key, 1), (sum(sizes) + 5, k))
+    rows = (rows * jnp.linspace(0.1, 4.0, k)).astype(BF16)  # groups of a row at different scales
+    offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
+    return rows, q, scale, offsets
+
+
+def _prefill_reference(q_rows, row_scale, q, scale, offsets):
+    """float64 (value, magnitude) of the grouped product of dequantised operands: [R, N] each, the
+    magnitude sum_k |a_k w_k| bounding accumulation error."""
+    a = np.asarray(fp8.dequantize_rows(q_rows, row_scale), np.float64)
+    w = np.asarray(fp8.dequantize(q, scale), np.float64)  # [El, N, K]
+    o = np.asarray(offsets)
+    value, magnitude = np.zeros((a.shape[0], w.shape[1])), np.zeros((a.shape[0], w.shape[1]))
+    for g in range(w.shape[0]):
+        value[o[g]:o[g + 1]] = a[o[g]:o[g + 1]] @ w[g].T
+        magnitude[o[g]:o[g + 1]] = np.abs(a[o[g]:o[g + 1]]) @ np.abs(w[g]).T
+    return value, magnitude
+
+
+def test_fp8_prefill_forward_fallback_is_the_dequantized_product():
+    rows, q, scale, offsets = _prefill_case(0, 3, 256, 384, [5, 0, 7])
+    num_rows = 14  # two rows past the groups: zero
+    out, _ = gemm.fp8_prefill_forward(rows, q, scale, offsets, jnp.zeros((1,), jnp.int32), num_rows)
+    want, magnitude = _prefill_reference(*fp8.quantize_rows(rows[:num_rows]), q, scale, offsets)
+    got = np.asarray(out, np.float64)
+    assert (np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + 2.0 ** -20 * magnitude).all()
+    assert not got[12:].any()
+
+
+def test_fp8_prefill_forward_takes_the_fallback_for_shapes_the_kernel_does_not():
+    """N not a multiple of 128: the dequantising fallback, on any device."""
+    rows, q, scale, offsets = _prefill_case(2, 2, 256, 200, [3, 4])
+    out, _ = gemm.fp8_prefill_forward(rows, q, scale, offsets, gemm.fp8_workspace(2), 7)
+    want, _ = _prefill_reference(*fp8.quantize_rows(rows[:7]), q, scale, offsets)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2.0 ** -8, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes, k, n", [
+    ([5, 0, 7], 512, 384),          # empty expert between two
+    ([300, 1, 0, 129], 512, 384),   # groups over several 128-row tiles, one row, empty
+    ([0, 0, 0, 64], 512, 384),      # one expert takes every row
+    ([1], 256, 256),                # T = 1, one route
+    ([130, 0, 126, 8], 1024, 640),  # K over 8 scale blocks, N not a multiple of the 128 x 128 tile pair
+])
+def test_gpu_fp8_prefill_forward_matches_the_dequantized_product(sizes, k, n):
+    """The CUTLASS FP8 blockwise grouped GEMM: its quantised rows are fp8.quantize_rows' bytes, and
+    its result is the float64 product of the dequantised operands within bf16 rounding of the
+    result (2^-8 relative) plus the FP8 tensor cores' accumulation (2^-10 of sum |a w|: their
+    per-128 partial sums keep fewer bits than float32); rows past the groups are zero."""
+    groups = len(sizes)
+    rows, q, scale, offsets = _prefill_case(1, groups, k, n, sizes)
+    num_rows = sum(sizes) + 3
+    workspace = gemm.fp8_workspace(groups)
+    gpu = jax.devices("gpu")[0]
+    args = jax.device_put((rows, q, scale, offsets, workspace), gpu)
+    out, _, q_rows, row_scale = jax.jit(lambda *a: gemm._fp8_grouped_matmul_call(*a, num_rows))(*args)
+    want_q, want_scale = jax.jit(fp8.quantize_rows, device=jax.devices("cpu")[0])(rows[:num_rows])
+    np.testing.assert_array_equal(np.asarray(row_scale), np.asarray(want_scale))
+    np.testing.assert_array_equal(np.asarray(q_rows).view(np.uint8), np.asarray(want_q).view(np.uint8))
+    want, magnitude = _prefill_reference(want_q, want_scale, q, scale, offsets)
+    got = np.asarray(out, np.float64)
+    error = np.abs(got - want)
+    assert (error <= 2.0 ** -8 * np.abs(want) + 2.0 ** -10 * magnitude).all(), error.max()
+    assert not got[sum(sizes):].any()
+    public, _ = jax.jit(lambda *a: gemm.fp8_prefill_forward(*a, num_rows))(*args)
+    np.testing.assert_array_equal(np.asarray(public, np.float32), np.asarray(out, np.float32))
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a | {"weights_nk": a["weights_nk"].astype(BF16)}, "weights_nk: expected float8_e4m3fn"),
+    (lambda a: a | {"rows": a["rows"][:, :128]}, r"rows: expected \[R, K=256\]"),
+    (lambda a: a | {"scale_nk": a["scale_nk"][:, :1]}, r"scale_nk: expected float32 \(2, 2, 2\)"),
+    (lambda a: a | {"offsets": a["offsets"][:2]}, r"offsets: expected int32 \[3\]"),
+    (lambda a: a | {"num_rows": 99}, "num_rows: expected 0..12"),
+])
+def test_fp8_prefill_forward_rejects_bad_operands(change, match):
+    rows, q, scale, offsets = _prefill_case(0, 2, 256, 256, [3, 4])
+    args = change(dict(rows=rows, weights_nk=q, scale_nk=scale, offsets=offsets, workspace=gemm.fp8_workspace(2),
+                       num_rows=7))
+    with pytest.raises(ValueError, match=match):
+        gemm.fp8_prefill_forward(**args)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jax_moe
-from jax_moe import baseline, experts, gemm
+from jax_moe import baseline, experts, fp8, gemm
 from jax_moe.bench import timing
 from jax_moe.bench.models import ModelShape
 
@@ -35,6 +35,7 @@ DECODE_CONTENDER_MAX_ROWS_PER_EXPERT = 64  # the decode kernel is also timed up 
 # ragged_dot is skipped where it takes seconds per call (issue 8 measured 157 ms for DeepSeek-V3 at
 # 8192 rows): the suite would spend its device time there.
 RAGGED_DOT_MAX_ROWS_X_EXPERTS = 16384 * 256
+FP8_MIN_TOKENS = 1024  # the FP8 prefill GEMM (gemm.fp8_prefill_forward) is timed from here up
 MGPU_MAX_EXPERTS = 128  # its grid has one step per group and row block: compile time grows with E
 MGPU_CONFIGS = ({"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
                 {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 2})
@@ -48,6 +49,9 @@ METHOD = ("Each op runs N times inside one jitted fori_loop, its operands in the
 NOTES = [
     "GEMM: the fused gate/up projection of one layer, [T*k, H] x [El, H, 2F], bf16 in and out, f32 "
     "accumulation; rows routed uniformly at random.",
+    "jax_moe FP8 (T >= %d): gemm.fp8_prefill_forward, the same GEMM on float8_e4m3fn experts [El, 2F, H] "
+    "with 128 x 128 block scales, the rows quantised per 1 x 128 group inside the call (included in the time); "
+    "its ceiling is twice the dense bf16 jnp.dot's rate (Hopper's FP8 tensor cores run at twice bf16's)." % FP8_MIN_TOKENS,
     "weight GB/s: bytes of the experts that own at least one row / time; copy: jax_moe_bench_copy "
     "of 1 GiB, (read + write bytes) / time.",
     "jax_moe: the backward pass runs the native input- and weight-gradient grouped GEMMs; the baseline "
@@ -129,6 +133,16 @@ def measure_gemm(model: ModelShape, tokens: int, clock, notes) -> list[dict]:
         "dense": (lambda r, w: (jnp.dot(r, w, preferred_element_type=jnp.float32).astype(r.dtype), (r, w)),
                   (rows[:tokens * config.top_k], weights[0])),
     }
+    if tokens >= FP8_MIN_TOKENS and H % fp8.BLOCK == 0 and N % fp8.BLOCK == 0:
+        # FP8 experts in the checkpoint's [El, N, K] layout. The values only need to be finite
+        # e4m3 numbers (the time does not depend on them): drawn in bf16 and cast, scales constant.
+        q = (jax.random.normal(key, (config.num_local_experts, N, H), jnp.bfloat16) * 64).astype(fp8.FP8)
+        q_scale = jnp.full((config.num_local_experts, N // fp8.BLOCK, H // fp8.BLOCK), 1 / (64 * H ** 0.5), jnp.float32)
+
+        def ours_fp8(q, q_scale, s, ws):
+            out, ws = gemm.fp8_prefill_forward(s.permuted, q, q_scale, s.expert_offsets, ws, live)
+            return out, (q, q_scale, s, ws)
+        impls["jax_moe/fp8"] = (ours_fp8, (q, q_scale, scratch, gemm.fp8_workspace(config.num_local_experts)))
     if tokens * config.top_k * config.num_experts > RAGGED_DOT_MAX_ROWS_X_EXPERTS:
         del impls["ragged_dot"]
         notes.append(f"{model.name} T={tokens}: ragged_dot not run (rows x experts > {RAGGED_DOT_MAX_ROWS_X_EXPERTS})")
@@ -243,10 +257,14 @@ def table(rows: list[dict]) -> str:
         ours, dense = by.get("jax_moe", {}), by.get("dense", {})
         frac = f"{ours['tflops'] / dense['tflops']:.0%}" if "us" in ours and "us" in dense else "–"
         wbw = f"{ours['weight_gbs'] / ours['copy_gbs']:.0%}" if "us" in ours and ours.get("copy_gbs") else "–"
+        eight = by.get("jax_moe/fp8", {})
+        fp8_frac = f"{eight['tflops'] / (2 * dense['tflops']):.0%}" if "us" in eight and "us" in dense else "–"
+        fp8_speedup = f"{ours['us'] / eight['us']:.2f}x" if "us" in ours and "us" in eight else "–"
         lines.append([model, str(tokens), cell("jax_moe"), cell("ragged_dot"), cell("ragged_dot_mgpu"),
-                      cell("dense"), frac, wbw])
+                      cell("dense"), frac, wbw, cell("jax_moe/fp8"), fp8_frac, fp8_speedup])
     text = md_table(["model", "T", "jax_moe (µs / TFLOP/s)", "ragged_dot", "ragged_dot_mgpu", "dense jnp.dot",
-                     "jax_moe % of dense", "weight read % of copy"], lines)
+                     "jax_moe % of dense", "weight read % of copy", "jax_moe FP8", "FP8 % of 2x dense",
+                     "FP8 vs bf16"], lines)
     layer_rows = [r for r in rows if "flops" not in r]
     lines = []
     for model, tokens in sorted({(r["model"], r["T"]) for r in layer_rows}):
