@@ -366,7 +366,7 @@ ffi::Error Fp8GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::A
                                 ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> expert_offsets,
                                 ffi::Buffer<ffi::S32>, ffi::Result<ffi::AnyBuffer> out,
                                 ffi::Result<ffi::Buffer<ffi::S32>> workspace, ffi::Result<ffi::AnyBuffer> q_rows,
-                                ffi::Result<ffi::Buffer<ffi::F32>> row_scale) {
+                                ffi::Result<ffi::Buffer<ffi::F32>> row_scale, int64_t tile_rows) {
   const auto rd = rows.dimensions();
   const auto wd = weights.dimensions();
   const auto od = out->dimensions();
@@ -395,6 +395,8 @@ ffi::Error Fp8GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::A
   args.workspace = reinterpret_cast<void*>(aligned);
   args.workspace_bytes = workspace->size_bytes() > aligned - base ? workspace->size_bytes() - (aligned - base) : 0;
   args.out_rows = out_rows, args.num_groups = wd[0], args.k = k, args.n = wd[1];
+  if (tile_rows != 64 && tile_rows != 128) return InvalidArgument("fp8_grouped_matmul: tile_rows must be 64 or 128");
+  args.tile_rows = static_cast<int>(tile_rows);
   return CudaStatus(LaunchFp8GroupedGemm(args, stream), "fp8_grouped_matmul");
 }
 
@@ -558,7 +560,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8GroupedMatmulCuda, jax_moe::Fp8GroupedMat
                                   .Ret<ffi::AnyBuffer>()               // out [out_rows, N], bf16
                                   .Ret<ffi::Buffer<ffi::S32>>()        // workspace
                                   .Ret<ffi::AnyBuffer>()               // q_rows [out_rows, K] (temporary)
-                                  .Ret<ffi::Buffer<ffi::F32>>(),       // row_scale [out_rows, K / 128] (temporary)
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // row_scale [out_rows, K / 128] (temporary)
+                                  .Attr<int64_t>("tile_rows"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeSwigluBackwardCuda, jax_moe::SwigluBackwardImpl,

@@ -1,12 +1,13 @@
 // The FP8 prefill grouped GEMM and the rows' quantisation
 // (grouped_gemm_fp8.h). The setup kernel writes, per group, the problem shape, the operand and
 // scale pointers, the strides and the scale layouts (cute layouts built on the device from the
-// group's rows), then CUTLASS's KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise runs.
+// group's rows), then CUTLASS's KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise runs.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -29,8 +30,6 @@ using Shape = ProblemShape::UnderlyingProblemShape;
 constexpr int kAlignAB = 16;  // elements of 16 bytes
 constexpr int kAlignD = 8;
 constexpr int kScaleBlock = 128;
-using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
 // Per row and 128 of K for the rows, per 128 x 128 block for the weights; both K-major: a row's
 // scales are contiguous (written by QuantizeRows), the weights' are the checkpoint's [N/128, K/128].
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleBlock, kScaleBlock, cute::GMMA::Major::K,
@@ -40,22 +39,37 @@ using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 using LayoutA = cutlass::layout::RowMajor;     // rows [M, K]
 using LayoutB = cutlass::layout::ColumnMajor;  // w [N, K] read as (N, K), K contiguous
 using LayoutD = cutlass::layout::RowMajor;
+using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
 
-using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
-    kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-    cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>>::CollectiveOp;
-using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
-    ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-using StrideA = typename Kernel::InternalStrideA;
-using StrideB = typename Kernel::InternalStrideB;
-using StrideD = typename Kernel::InternalStrideD;
+// One CUTLASS kernel per row tile: 128 rows on two cooperating warpgroups, or 64 rows per
+// warpgroup in ping-pong (less padding when the groups hold a few tens to a few hundred rows).
+template <class TileShape, class KernelSchedule, class EpilogueSchedule>
+struct Config {
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
+      kAlignD, EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
+      ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+using Rows128 = Config<cute::Shape<cute::_128, cute::_128, cute::_128>,
+                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
+                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+using Rows64 = Config<cute::Shape<cute::_64, cute::_128, cute::_128>,
+                      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+                      cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+using StrideA = typename Rows128::Kernel::InternalStrideA;
+using StrideB = typename Rows128::Kernel::InternalStrideB;
+using StrideD = typename Rows128::Kernel::InternalStrideD;
+static_assert(std::is_same_v<StrideA, typename Rows64::Kernel::InternalStrideA> &&
+                  std::is_same_v<StrideB, typename Rows64::Kernel::InternalStrideB> &&
+                  std::is_same_v<StrideD, typename Rows64::Kernel::InternalStrideD>,
+              "both tiles read the same per-group arguments");
 
 // Where each per-group array sits in the workspace (fixed by the group count alone).
 struct WorkspaceLayout {
@@ -79,6 +93,7 @@ struct WorkspaceLayout {
   }
 };
 
+template <class Gemm>
 typename Gemm::Arguments MakeArguments(const Fp8GroupedGemmArgs& args, int sm_count) {
   char* base = static_cast<char*>(args.workspace);
   const WorkspaceLayout layout(args.num_groups);
@@ -184,6 +199,16 @@ __global__ void QuantizeRowsKernel(const uint4* rows, uint2* q, float* scale, in
   if ((thread & 15) == 0) scale[group] = s;  // group = row * K / 128 + block: [R, K / 128] row-major
 }
 
+template <class Gemm>
+cudaError_t RunGemm(const Fp8GroupedGemmArgs& args, int sm_count, void* cutlass_workspace, cudaStream_t stream) {
+  Gemm gemm;
+  const auto arguments = MakeArguments<Gemm>(args, sm_count);
+  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
+  if (gemm.initialize(arguments, cutlass_workspace, stream) != cutlass::Status::kSuccess) return cudaErrorUnknown;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
+  return cudaGetLastError();
+}
+
 }  // namespace fp8gemm
 
 size_t Fp8GroupedGemmWorkspaceBytes(int64_t num_groups) {
@@ -191,12 +216,14 @@ size_t Fp8GroupedGemmWorkspaceBytes(int64_t num_groups) {
   Fp8GroupedGemmArgs args{};
   args.num_groups = num_groups;
   return kWorkspaceAlignSlack + WorkspaceLayout(num_groups).cutlass +
-         Gemm::get_workspace_size(MakeArguments(args, kMaxSms));
+         std::max(Rows128::Gemm::get_workspace_size(MakeArguments<Rows128::Gemm>(args, kMaxSms)),
+                  Rows64::Gemm::get_workspace_size(MakeArguments<Rows64::Gemm>(args, kMaxSms)));
 }
 
 cudaError_t LaunchFp8GroupedGemm(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
   using namespace fp8gemm;
   if (args.k % kScaleBlock != 0 || args.n % kScaleBlock != 0 || args.num_groups < 1 ||
+      (args.tile_rows != 64 && args.tile_rows != 128) ||
       reinterpret_cast<uintptr_t>(args.workspace) % 128 != 0 ||
       args.workspace_bytes + kWorkspaceAlignSlack < Fp8GroupedGemmWorkspaceBytes(args.num_groups))
     return cudaErrorInvalidValue;
@@ -206,14 +233,9 @@ cudaError_t LaunchFp8GroupedGemm(const Fp8GroupedGemmArgs& args, cudaStream_t st
   const int blocks = static_cast<int>(std::clamp<int64_t>((work + kSetupThreads - 1) / kSetupThreads, 1, kMaxSetupBlocks));
   SetupKernel<<<blocks, kSetupThreads, 0, stream>>>(args);
   if (cudaGetLastError() != cudaSuccess) return cudaErrorLaunchFailure;
-  const WorkspaceLayout layout(args.num_groups);
-  Gemm gemm;
-  const auto arguments = MakeArguments(args, sm_count);
-  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-  void* cutlass_workspace = static_cast<char*>(args.workspace) + layout.cutlass;
-  if (gemm.initialize(arguments, cutlass_workspace, stream) != cutlass::Status::kSuccess) return cudaErrorUnknown;
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
-  return cudaGetLastError();
+  void* cutlass_workspace = static_cast<char*>(args.workspace) + WorkspaceLayout(args.num_groups).cutlass;
+  return args.tile_rows == 64 ? RunGemm<Rows64::Gemm>(args, sm_count, cutlass_workspace, stream)
+                              : RunGemm<Rows128::Gemm>(args, sm_count, cutlass_workspace, stream);
 }
 
 cudaError_t LaunchQuantizeRows(const void* rows, void* q, float* scale, int64_t num_rows, int64_t k,

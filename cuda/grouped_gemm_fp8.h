@@ -26,6 +26,7 @@ struct Fp8GroupedGemmArgs {
   void* workspace;                // 128-byte aligned
   size_t workspace_bytes;
   int64_t out_rows, num_groups, k, n;  // K and N multiples of 128
+  int tile_rows;                       // CUTLASS's row tile: 128 (cooperative) or 64 (ping-pong)
 };
 
 size_t Fp8GroupedGemmWorkspaceBytes(int64_t num_groups);

@@ -301,7 +301,8 @@ def test_fp8_prefill_forward_takes_the_fallback_for_shapes_the_kernel_does_not()
     ([1], 256, 256),                # T = 1, one route
     ([130, 0, 126, 8], 1024, 640),  # K over 8 scale blocks, N not a multiple of the 128 x 128 tile pair
 ])
-def test_gpu_fp8_prefill_forward_matches_the_dequantized_product(sizes, k, n):
+@pytest.mark.parametrize("tile_rows", gemm.FP8_TILE_ROWS)
+def test_gpu_fp8_prefill_forward_matches_the_dequantized_product(sizes, k, n, tile_rows):
     """The CUTLASS FP8 blockwise grouped GEMM: its quantised rows are fp8.quantize_rows' bytes, and
     its result is the float64 product of the dequantised operands within bf16 rounding of the
     result (2^-8 relative) plus the FP8 tensor cores' accumulation (2^-10 of sum |a w|: their
@@ -312,7 +313,7 @@ def test_gpu_fp8_prefill_forward_matches_the_dequantized_product(sizes, k, n):
     workspace = gemm.fp8_workspace(groups)
     gpu = jax.devices("gpu")[0]
     args = jax.device_put((rows, q, scale, offsets, workspace), gpu)
-    out, _, q_rows, row_scale = jax.jit(lambda *a: gemm._fp8_grouped_matmul_call(*a, num_rows))(*args)
+    out, _, q_rows, row_scale = jax.jit(lambda *a: gemm._fp8_grouped_matmul_call(*a, num_rows, tile_rows))(*args)
     want_q, want_scale = jax.jit(fp8.quantize_rows, device=jax.devices("cpu")[0])(rows[:num_rows])
     np.testing.assert_array_equal(np.asarray(row_scale), np.asarray(want_scale))
     np.testing.assert_array_equal(np.asarray(q_rows).view(np.uint8), np.asarray(want_q).view(np.uint8))
@@ -321,8 +322,11 @@ def test_gpu_fp8_prefill_forward_matches_the_dequantized_product(sizes, k, n):
     error = np.abs(got - want)
     assert (error <= 2.0 ** -8 * np.abs(want) + 2.0 ** -10 * magnitude).all(), error.max()
     assert not got[sum(sizes):].any()
-    public, _ = jax.jit(lambda *a: gemm.fp8_prefill_forward(*a, num_rows))(*args)
+    public, _ = jax.jit(lambda *a: gemm.fp8_prefill_forward(*a, num_rows, tile_rows))(*args)
     np.testing.assert_array_equal(np.asarray(public, np.float32), np.asarray(out, np.float32))
+    other = 192 - tile_rows  # the other tile: the same math, each output one float32 sum of the same products
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda *a: gemm.fp8_prefill_forward(*a, num_rows, other))(*args)[0],
+                                          np.float64), got, rtol=2.0 ** -7, atol=2.0 ** -10 * magnitude.max())
 
 
 @pytest.mark.parametrize("change, match", [
@@ -331,6 +335,7 @@ def test_gpu_fp8_prefill_forward_matches_the_dequantized_product(sizes, k, n):
     (lambda a: a | {"scale_nk": a["scale_nk"][:, :1]}, r"scale_nk: expected float32 \(2, 2, 2\)"),
     (lambda a: a | {"offsets": a["offsets"][:2]}, r"offsets: expected int32 \[3\]"),
     (lambda a: a | {"num_rows": 99}, "num_rows: expected 0..12"),
+    (lambda a: a | {"tile_rows": 96}, r"tile_rows: expected one of \(64, 128\)"),
 ])
 def test_fp8_prefill_forward_rejects_bad_operands(change, match):
     rows, q, scale, offsets = _prefill_case(0, 2, 256, 256, [3, 4])
@@ -338,3 +343,10 @@ def test_fp8_prefill_forward_rejects_bad_operands(change, match):
                        num_rows=7))
     with pytest.raises(ValueError, match=match):
         gemm.fp8_prefill_forward(**args)
+
+
+def test_fp8_tile_rows_is_the_small_tile_up_to_the_crossover():
+    per_group = gemm.FP8_SMALL_TILE_MAX_ROWS_PER_GROUP
+    assert gemm.fp8_tile_rows(per_group * 256, 256) == 64
+    assert gemm.fp8_tile_rows(per_group * 256 + 1, 256) == 128
+    assert gemm.fp8_tile_rows(1, 1) == 64
