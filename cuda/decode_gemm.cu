@@ -4,13 +4,10 @@
 // consecutive columns (one 16-byte load per k row) and 8 consecutive k rows per step (one 16-byte
 // load of each row's x); lanes and warps split K, and a fixed-order reduction sums their parts.
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "bf16_vector.cuh"
 #include "decode_gemm.h"
@@ -21,50 +18,12 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kStepRows = 8;  // k rows a lane takes per step
-// Steps whose loads a lane issues before their arithmetic: 256 bytes per lane either way (bf16: 2
-// steps of 8 x 16 bytes; FP8: 4 steps of 8 x 8 bytes).
-template <bool kFp8>
-constexpr int kInFlight = kFp8 ? 4 : 2;
-constexpr int kMinBlocks = 64;  // FP8: half the SMs; below this, narrower tiles
+// Steps whose loads a lane issues before their arithmetic: 2 steps of 8 x 16 bytes, 256 bytes per lane.
+constexpr int kInFlight = 2;
 
 using Bf16 = __nv_bfloat16;
-constexpr int kScaleBlock = 128;  // FP8 weights: one scale per 128 x 128 block
 
 __device__ __forceinline__ int Clamp(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
-
-// The bf16 vector's (bf16_vector.cuh), beside the FP8 overloads below.
-using jax_moe::LoadStreaming;
-using jax_moe::Unpack;
-
-// Eight e4m3 values to float32: exact (every e4m3 value is an fp16 value), through the hardware's
-// e4m3x2 -> f16x2 conversion (integer-only conversions measured 20-50 % slower on the H200).
-__device__ __forceinline__ void Unpack(const uint2& v, float (&f)[8]) {
-  const uint32_t words[2] = {v.x, v.y};
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(
-          static_cast<__nv_fp8x2_storage_t>((words[i] >> (16 * j)) & 0xffffu), __NV_E4M3);
-      const float2 both = __half22float2(*reinterpret_cast<const __half2*>(&pair));
-      f[4 * i + 2 * j] = both.x;
-      f[4 * i + 2 * j + 1] = both.y;
-    }
-}
-
-// Weights are read once per call: keep them out of L1 so the rows (read by every lane) stay.
-// 8 weights per lane: 16 bytes of bf16 (bf16_vector.cuh's LoadStreaming), 8 bytes of FP8.
-__device__ __forceinline__ uint2 LoadStreaming(const __nv_fp8_storage_t* p) {
-  uint2 v;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
-template <bool kFp8>
-struct Weights {
-  using Element = std::conditional_t<kFp8, __nv_fp8_storage_t, Bf16>;
-  using Vector = std::conditional_t<kFp8, uint2, uint4>;  // one lane's 8 weights of a k row
-};
 
 struct Group {
   int index;  // -1: fewer experts than the slot own rows
@@ -112,13 +71,10 @@ __device__ Group FindGroup(const int32_t* offsets, int num_groups, int out_rows,
   return found;
 }
 
-// acc[m][c] += sum over the step's 8 k rows i of (x[m][i] * scale) * w[i][c], for the pass's
-// live rows (scale: the FP8 block's scale_inv, shared by the step's 8 k rows; not applied for
-// bf16). Scaling the 8 row values instead of the 64 weights saves 56 multiplies per step; both
-// orders round once before the product.
-template <int kRowsPerPass, bool kFp8, typename Vector>
-__device__ __forceinline__ void Accumulate(float (&acc)[kRowsPerPass][8], const Vector (&w)[kStepRows],
-                                           float scale, const Bf16* x, int64_t k, int rows_now) {
+// acc[m][c] += sum over the step's 8 k rows i of x[m][i] * w[i][c], for the pass's live rows.
+template <int kRowsPerPass>
+__device__ __forceinline__ void Accumulate(float (&acc)[kRowsPerPass][8], const uint4 (&w)[kStepRows],
+                                           const Bf16* x, int64_t k, int rows_now) {
   float wf[kStepRows][8];
 #pragma unroll
   for (int i = 0; i < kStepRows; ++i) Unpack(w[i], wf[i]);
@@ -127,10 +83,6 @@ __device__ __forceinline__ void Accumulate(float (&acc)[kRowsPerPass][8], const 
     if (m < rows_now) {
       float xf[8];
       Unpack(__ldg(reinterpret_cast<const uint4*>(x + m * k)), xf);
-      if constexpr (kFp8) {
-#pragma unroll
-        for (int i = 0; i < kStepRows; ++i) xf[i] = __fmul_rn(xf[i], scale);
-      }
 #pragma unroll
       for (int i = 0; i < kStepRows; ++i)
 #pragma unroll
@@ -143,10 +95,8 @@ __device__ __forceinline__ void Accumulate(float (&acc)[kRowsPerPass][8], const 
 // the same columns; each sums its warps' parts, then cluster rank 0 sums the ranks' parts in rank
 // order through distributed shared memory and writes the result (one launch, deterministic). For
 // grids too small to keep every SM streaming (a shared expert at T = 1: one group, 32-64 blocks).
-template <int kVectors, int kRowsPerPass, bool kGated, bool kFp8, int kSplit>
+template <int kVectors, int kRowsPerPass, bool kGated, int kSplit>
 __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
-  using Element = typename Weights<kFp8>::Element;
-  using Vector = typename Weights<kFp8>::Vector;
   constexpr int kLanesK = 32 / kVectors;            // k-row groups a warp covers at once
   constexpr int kTileCols = kVectors * 8;           // weight columns a block reads
   constexpr int kOutCols = kGated ? kTileCols / 2 : kTileCols;  // out columns it writes
@@ -188,12 +138,9 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   }
   const Group group = FindGroup(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, blockIdx.y);
   if (group.index < 0) return;
-  const Element* weights = static_cast<const Element*>(p.weights) + group.index * k * n + col;
-  // FP8: this lane's column of scale blocks; the block row follows k.
-  const float* scales =
-      kFp8 ? p.scale_inv + group.index * (k / kScaleBlock) * (n / kScaleBlock) + col / kScaleBlock : nullptr;
+  const Bf16* weights = static_cast<const Bf16*>(p.weights) + group.index * k * n + col;
 
-  // This block's K range: whole steps of 8 rows (an FP8 step stays in one 128-row scale block).
+  // This block's K range: whole steps of 8 rows.
   const int64_t k_chunk = kSplit > 1 ? (k / kStepRows + kSplit - 1) / kSplit * kStepRows : k;
   const int64_t k_begin = split * k_chunk;
   const int64_t k_end = k_begin + k_chunk < k ? k_begin + k_chunk : k;
@@ -209,21 +156,17 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
     // kInFlight steps' loads in flight per lane before their arithmetic (bf16: 4 steps measured no
     // faster than 2; neither did refilling each step's registers as soon as it is consumed).
     for (int64_t k0 = k_begin + static_cast<int64_t>(warp * kLanesK + lane_k) * kStepRows; k0 < k_end;
-         k0 += kInFlight<kFp8> * kStep) {
-      Vector w[kInFlight<kFp8>][kStepRows];
-      float scale[kInFlight<kFp8>];
+         k0 += kInFlight * kStep) {
+      uint4 w[kInFlight][kStepRows];
 #pragma unroll
-      for (int s = 0; s < kInFlight<kFp8>; ++s) {
+      for (int s = 0; s < kInFlight; ++s) {
         const bool load = col_ok && k0 + s * kStep < k_end;
 #pragma unroll
-        for (int i = 0; i < kStepRows; ++i) w[s][i] = load ? LoadStreaming(weights + (k0 + s * kStep + i) * n) : Vector{};
-        // The step's 8 k rows lie in one 128-row scale block (k0 is a multiple of 8).
-        scale[s] = kFp8 && load ? __ldg(scales + (k0 + s * kStep) / kScaleBlock * (n / kScaleBlock)) : 1.0f;
+        for (int i = 0; i < kStepRows; ++i) w[s][i] = load ? LoadStreaming(weights + (k0 + s * kStep + i) * n) : uint4{};
       }
 #pragma unroll
-      for (int s = 0; s < kInFlight<kFp8>; ++s)
-        if (k0 + s * kStep < k_end)
-          Accumulate<kRowsPerPass, kFp8>(acc, w[s], scale[s], x + k0 + s * kStep, k, rows_now);
+      for (int s = 0; s < kInFlight; ++s)
+        if (k0 + s * kStep < k_end) Accumulate<kRowsPerPass>(acc, w[s], x + k0 + s * kStep, k, rows_now);
     }
     // Sum the lanes that share columns (a fixed butterfly), then the warps in order.
 #pragma unroll
@@ -303,9 +246,7 @@ cudaError_t LaunchSplit(const DecodeGemmArgs& args, cudaStream_t stream) {
   cluster.val.clusterDim.x = 1, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = kSplit;
   config.attrs = &cluster;
   config.numAttrs = kSplit > 1 ? 1 : 0;
-  if (args.scale_inv != nullptr)
-    return cudaLaunchKernelEx(&config, DecodeGemmKernel<kVectors, kRowsPerPass, kGated, true, kSplit>, args);
-  return cudaLaunchKernelEx(&config, DecodeGemmKernel<kVectors, kRowsPerPass, kGated, false, kSplit>, args);
+  return cudaLaunchKernelEx(&config, DecodeGemmKernel<kVectors, kRowsPerPass, kGated, kSplit>, args);
 }
 
 // One block per SM of a 132-SM H100/H200: the grid the bf16 kernel aims for. Measured on the H200
@@ -322,11 +263,9 @@ cudaError_t Launch(const DecodeGemmArgs& args, cudaStream_t stream) {
   const int64_t out_width = kGated ? args.n / 2 : args.n;
   const int64_t blocks = (out_width + kOutCols - 1) / kOutCols * std::min(args.num_groups, args.out_rows);
   const int64_t k_steps = args.k / kStepRows;
-  // FP8 weights keep the unsplit grid they were measured with (jax_moe/fp8.py, issue 16).
-  const bool may_split = args.scale_inv == nullptr;
-  if (may_split && 4 * blocks <= kWaveBlocks && k_steps >= 4 * kWarps * (32 / kVectors))
+  if (4 * blocks <= kWaveBlocks && k_steps >= 4 * kWarps * (32 / kVectors))
     return LaunchSplit<kVectors, kRowsPerPass, kGated, 4>(args, stream);
-  if (may_split && 2 * blocks <= kWaveBlocks && k_steps >= 2 * kWarps * (32 / kVectors))
+  if (2 * blocks <= kWaveBlocks && k_steps >= 2 * kWarps * (32 / kVectors))
     return LaunchSplit<kVectors, kRowsPerPass, kGated, 2>(args, stream);
   return LaunchSplit<kVectors, kRowsPerPass, kGated, 1>(args, stream);
 }
@@ -349,21 +288,17 @@ cudaError_t LaunchRows(const DecodeGemmArgs& args, cudaStream_t stream) {
 template <bool kGated>
 cudaError_t LaunchGated(const DecodeGemmArgs& args, cudaStream_t stream) {
   // 128-column tiles (each warp reads 256 contiguous bytes per k row) while they fill more than a
-  // wave of blocks (bf16) or at least kMinBlocks (FP8); 64-column tiles otherwise (kWaveBlocks).
+  // wave of blocks; 64-column tiles otherwise (kWaveBlocks).
   const int64_t out_width = kGated ? args.n / 2 : args.n;
   const int64_t wide_cols = kGated ? 64 : 128;
   const int64_t wide_blocks = (out_width + wide_cols - 1) / wide_cols * std::min(args.num_groups, args.out_rows);
-  const bool wide = args.scale_inv == nullptr ? wide_blocks > kWaveBlocks : wide_blocks >= kMinBlocks;
-  return wide ? LaunchRows<16, kGated>(args, stream) : LaunchRows<8, kGated>(args, stream);
+  return wide_blocks > kWaveBlocks ? LaunchRows<16, kGated>(args, stream) : LaunchRows<8, kGated>(args, stream);
 }
 
 }  // namespace
 
 cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream) {
-  // FP8: whole scale blocks, and a gated tile's gate and up halves in different blocks.
-  const bool fp8_ok = args.scale_inv == nullptr ||
-                      (args.k % kScaleBlock == 0 && args.n % (args.gated ? 2 * kScaleBlock : kScaleBlock) == 0);
-  if (!fp8_ok || args.k % 8 != 0 || args.n % (args.gated ? 16 : 8) != 0 || args.num_groups < 1 ||
+  if (args.k % 8 != 0 || args.n % (args.gated ? 16 : 8) != 0 || args.num_groups < 1 ||
       args.num_groups > 65535 || args.out_rows < 0 || args.out_rows > (int64_t{1} << 30))
     return cudaErrorInvalidValue;
   if (args.out_rows == 0) return cudaSuccess;

@@ -7,9 +7,7 @@
 // SwiGLU activation folds into the gate/up product's epilogue. No workspace, no host sync, no
 // allocation; the groups are read on the device; the result is deterministic (fixed summation
 // order) and rows in no group come out zero.
-// FP8 weights (jax_moe/fp8.py): float8_e4m3fn with a float32 scale_inv per 128 x 128 block; each
-// weight is converted exactly to float32 in registers and multiplied with the row value times its
-// block's scale_inv (float32), so the weights are never rounded to bf16.
+// (FP8 experts run on the FP8 grouped GEMM at every size: grouped_gemm_fp8.h.)
 #ifndef JAX_MOE_DECODE_GEMM_H_
 #define JAX_MOE_DECODE_GEMM_H_
 
@@ -21,8 +19,7 @@ namespace jax_moe {
 
 struct DecodeGemmArgs {
   const void* rows;               // [>= out_rows, K] bf16, grouped by expert
-  const void* weights;            // [El, K, N] bf16, or float8_e4m3fn when scale_inv is given
-  const float* scale_inv = nullptr;  // FP8 only: [El, K / 128, N / 128]
+  const void* weights;            // [El, K, N] bf16
   const int32_t* expert_offsets;  // [El + 1], clamped to out_rows
   void* out;                      // [out_rows, gated ? N / 2 : N] bf16
   int64_t out_rows, num_groups, k, n;

@@ -23,7 +23,6 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
     handlers["jax_moe_grouped_matmul"] = Capsule(JaxMoeGroupedMatmulCuda);
     handlers["jax_moe_grouped_matmul_into"] = Capsule(JaxMoeGroupedMatmulIntoCuda);
     handlers["jax_moe_decode_matmul"] = Capsule(JaxMoeDecodeMatmulCuda);
-    handlers["jax_moe_decode_matmul_fp8"] = Capsule(JaxMoeDecodeMatmulFp8Cuda);
     handlers["jax_moe_decode_route"] = Capsule(JaxMoeDecodeRouteCuda);
     handlers["jax_moe_fp8_grouped_matmul"] = Capsule(JaxMoeFp8GroupedMatmulCuda);
     handlers["jax_moe_swiglu_backward"] = Capsule(JaxMoeSwigluBackwardCuda);
@@ -35,7 +34,7 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
   m.def("grouped_matmul_workspace_bytes", &jax_moe::GroupedGemmWorkspaceBytes, pybind11::arg("num_groups"),
         "Workspace bytes the grouped GEMM needs for num_groups experts (sized for any Hopper GPU).");
   m.def("fp8_grouped_matmul_workspace_bytes", &jax_moe::Fp8GroupedGemmWorkspaceBytes, pybind11::arg("num_groups"),
-        "Workspace bytes the FP8 prefill grouped GEMM needs for num_groups experts.");
+        "Workspace bytes the FP8 grouped GEMM needs for num_groups experts.");
   m.def("decode_route_slices", &jax_moe::DecodeRouteSlices, pybind11::arg("hidden"), pybind11::arg("num_experts"),
         "Slices of H the decode router's reduction is split into (the leading axis of its partial sums).");
 }

@@ -267,17 +267,16 @@ ffi::Error GroupedMatmulIntoImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Any
                            workspace->size_bytes(), stream);
 }
 
-// The decode grouped GEMM of decode_gemm.h: rows [R, K], weights [El, K, N], expert_offsets
+// The decode grouped GEMM of decode_gemm.h: rows [R, K], weights [El, K, N] bf16, expert_offsets
 // [El + 1]; out [<= R, N], or [<= R, N / 2] = silu(gate) * up when gated (N = 2F, gate first).
-// scale_inv: null for bf16 weights; for float8_e4m3fn weights their [El, K / 128, N / 128] scales.
-ffi::Error RunDecodeMatmul(cudaStream_t stream, const ffi::AnyBuffer& rows, const ffi::AnyBuffer& weights,
-                           const float* scale_inv, const ffi::Buffer<ffi::S32>& expert_offsets,
-                           ffi::Result<ffi::AnyBuffer>& out, bool gated, int64_t rows_per_pass) {
+ffi::Error DecodeMatmulImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
+                            ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> out, bool gated,
+                            int64_t rows_per_pass) {
   const auto rd = rows.dimensions();
   const auto wd = weights.dimensions();
   const auto od = out->dimensions();
-  if (rows.element_type() != ffi::BF16 || out->element_type() != ffi::BF16)
-    return InvalidArgument("decode_matmul: expected bf16 rows and out");
+  if (rows.element_type() != ffi::BF16 || weights.element_type() != ffi::BF16 || out->element_type() != ffi::BF16)
+    return InvalidArgument("decode_matmul: expected bf16 rows, weights and out");
   if (rd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[1] != rd[1] || od[0] > rd[0] ||
       od[1] != (gated ? wd[2] / 2 : wd[2]) || static_cast<int64_t>(expert_offsets.element_count()) != wd[0] + 1)
     return InvalidArgument("decode_matmul: expected rows [R, K], weights [El, K, N], expert_offsets [El + 1] "
@@ -289,7 +288,6 @@ ffi::Error RunDecodeMatmul(cudaStream_t stream, const ffi::AnyBuffer& rows, cons
   DecodeGemmArgs args;
   args.rows = rows.untyped_data();
   args.weights = weights.untyped_data();
-  args.scale_inv = scale_inv;
   args.expert_offsets = expert_offsets.typed_data();
   args.out = out->untyped_data();
   args.out_rows = od[0];
@@ -297,27 +295,6 @@ ffi::Error RunDecodeMatmul(cudaStream_t stream, const ffi::AnyBuffer& rows, cons
   args.gated = gated;
   args.rows_per_pass = static_cast<int>(rows_per_pass);
   return CudaStatus(LaunchDecodeGemm(args, stream), "jax_moe decode_matmul");
-}
-
-ffi::Error DecodeMatmulImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
-                            ffi::Buffer<ffi::S32> expert_offsets, ffi::Result<ffi::AnyBuffer> out, bool gated,
-                            int64_t rows_per_pass) {
-  if (weights.element_type() != ffi::BF16) return InvalidArgument("decode_matmul: expected bf16 weights");
-  return RunDecodeMatmul(stream, rows, weights, nullptr, expert_offsets, out, gated, rows_per_pass);
-}
-
-ffi::Error DecodeMatmulFp8Impl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
-                               ffi::Buffer<ffi::F32> scale_inv, ffi::Buffer<ffi::S32> expert_offsets,
-                               ffi::Result<ffi::AnyBuffer> out, bool gated, int64_t rows_per_pass) {
-  const auto wd = weights.dimensions();
-  const auto sd = scale_inv.dimensions();
-  if (weights.element_type() != ffi::F8E4M3FN || wd.size() != 3 || sd.size() != 3)
-    return InvalidArgument("decode_matmul_fp8: expected float8_e4m3fn weights [El, K, N] and scales [El, Kb, Nb]");
-  if (wd[1] % 128 != 0 || wd[2] % (gated ? 256 : 128) != 0 || sd[0] != wd[0] || sd[1] != wd[1] / 128 ||
-      sd[2] != wd[2] / 128)
-    return InvalidArgument("decode_matmul_fp8: expected K and N (N / 2 when gated) multiples of 128 and "
-                           "scale_inv [El, K / 128, N / 128]");
-  return RunDecodeMatmul(stream, rows, weights, scale_inv.typed_data(), expert_offsets, out, gated, rows_per_pass);
 }
 
 // The decode router (route_kernels.h): x [T, H] and router [H, E] bf16, bias [E] float32 (or [1]
@@ -359,7 +336,7 @@ ffi::Error DecodeRouteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   return CudaStatus(LaunchDecodeRoute(args, stream), "decode_route");
 }
 
-// The FP8 prefill grouped GEMM (grouped_gemm_fp8.h). rows [R, K] bf16 are
+// The FP8 grouped GEMM (grouped_gemm_fp8.h). rows [R, K] bf16 are
 // quantised per 1 x 128 group into the q_rows / row_scale results (temporaries of the call), then
 // multiplied with weights [El, N, K] float8_e4m3fn and their scales [El, N / 128, K / 128].
 ffi::Error Fp8GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
@@ -510,18 +487,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeMatmulCuda, jax_moe::DecodeMatmulImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()               // rows [R, K], bf16
                                   .Arg<ffi::AnyBuffer>()               // weights [El, K, N], bf16
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
-                                  .Ret<ffi::AnyBuffer>()               // out, bf16
-                                  .Attr<bool>("gated")                 // silu(gate) * up epilogue
-                                  .Attr<int64_t>("rows_per_pass"),     // 1, 2, 4 or 8
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeMatmulFp8Cuda, jax_moe::DecodeMatmulFp8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // rows [R, K], bf16
-                                  .Arg<ffi::AnyBuffer>()               // weights [El, K, N], float8_e4m3fn
-                                  .Arg<ffi::Buffer<ffi::F32>>()        // scale_inv [El, K / 128, N / 128]
                                   .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
                                   .Ret<ffi::AnyBuffer>()               // out, bf16
                                   .Attr<bool>("gated")                 // silu(gate) * up epilogue

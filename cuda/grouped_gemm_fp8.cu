@@ -1,4 +1,4 @@
-// The FP8 prefill grouped GEMM and the rows' quantisation
+// The FP8 grouped GEMM and the rows' quantisation
 // (grouped_gemm_fp8.h). The setup kernel writes, per group, the problem shape, the operand and
 // scale pointers, the strides and the scale layouts (cute layouts built on the device from the
 // group's rows), then CUTLASS's KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise runs.

@@ -1,4 +1,4 @@
-// The FP8 prefill grouped GEMM (issue 16): DeepSeek-V3's block-scaled
+// The FP8 grouped GEMM (issue 16), prefill and decode: DeepSeek-V3's block-scaled
 // e4m3 experts on Hopper's FP8 tensor cores (CUTLASS's ptr-array blockwise-scaled mainloop).
 // For each local expert g owning rows [offsets[g], offsets[g + 1]):
 //   out[rows of g] = (q_rows * row_scale) @ (w_q[g] * w_scale[g])^T     accumulated in float32

@@ -14,7 +14,6 @@ GROUPED_MATMUL_TARGET = "jax_moe_grouped_matmul"  # CUDA only
 GROUPED_MATMUL_INTO_TARGET = "jax_moe_grouped_matmul_into"  # CUDA only
 GATHER_ROWS_TARGET = "jax_moe_gather_rows"  # CUDA only
 DECODE_MATMUL_TARGET = "jax_moe_decode_matmul"  # CUDA only
-DECODE_MATMUL_FP8_TARGET = "jax_moe_decode_matmul_fp8"  # CUDA only
 DECODE_ROUTE_TARGET = "jax_moe_decode_route"  # CUDA only
 FP8_GROUPED_MATMUL_TARGET = "jax_moe_fp8_grouped_matmul"  # CUDA only
 SWIGLU_BACKWARD_TARGET = "jax_moe_swiglu_backward"  # CUDA only
@@ -46,7 +45,7 @@ def grouped_matmul_workspace_bytes(num_groups: int) -> int:
 
 
 def fp8_grouped_matmul_workspace_bytes(num_groups: int) -> int:
-    """Bytes of workspace the CUDA FP8 prefill GEMM needs for num_groups experts; 0 without the module."""
+    """Bytes of workspace the CUDA FP8 grouped GEMM needs for num_groups experts; 0 without the module."""
     return 0 if _CUDA_MODULE is None else int(_CUDA_MODULE.fp8_grouped_matmul_workspace_bytes(num_groups))
 
 

@@ -37,7 +37,7 @@ def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) 
 
     Args:
       layer_params: one layer's params; ``gate_up`` [El, H, 2F] and ``down`` [El, F, H] are used
-        (dequantised when FP8: ``jax_moe.fp8``).
+        (FP8 experts, ``jax_moe.fp8``: the FP8 layer's math, rows quantised per 1 x 128 group).
       rows: [R, H] rows grouped by local expert (expert e owns ``group_sizes[e]`` consecutive rows).
       group_sizes: [El] int32. Rows past ``sum(group_sizes)`` come out zero (ragged_dot's rule).
 
@@ -45,11 +45,25 @@ def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) 
       [R, H] of rows' dtype: ``down_e(silu(gate_e(row)) * up_e(row))`` for each row's expert e.
       Accumulation and the activation are in float32.
     """
+    if fp8.is_quantized(layer_params):
+        return _fp8_swiglu_dequantized(layer_params, rows, group_sizes)
     gate_up, down = fp8.expert_weights(layer_params, rows.dtype)
     hidden = jax.lax.ragged_dot(rows, gate_up, group_sizes, preferred_element_type=jnp.float32)
     activated = gated_silu(hidden, rows.dtype)
     out = jax.lax.ragged_dot(activated, down, group_sizes, preferred_element_type=jnp.float32)
     return out.astype(rows.dtype)
+
+
+def _fp8_swiglu_dequantized(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``swiglu_experts`` on FP8 experts: both projections as ``gemm.fp8_dequantized_matmul`` (the
+    FP8 GEMM's math), SwiGLU's activation between them. [R, H] of rows' dtype."""
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes).astype(jnp.int32)])
+    num_rows = rows.shape[0]
+    hidden = gemm.fp8_dequantized_matmul(rows, layer_params["gate_up"], layer_params["gate_up" + fp8.SCALE_SUFFIX],
+                                         offsets, num_rows)
+    activated = gated_silu(hidden, rows.dtype)
+    return gemm.fp8_dequantized_matmul(activated, layer_params["down"], layer_params["down" + fp8.SCALE_SUFFIX],
+                                       offsets, num_rows)
 
 
 def shared_experts(layer_params: dict, x: jax.Array) -> jax.Array | None:
@@ -249,56 +263,58 @@ def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, num_tokens: 
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _fp8_decode_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, group_rows):
-    """The FP8 decode kernel for both projections: [num_rows, H]. Differentiable in rows only."""
-    activated = gemm.fp8_forward(rows, gate_up, gate_up_scale, offsets, num_rows, group_rows, gated=True)
-    return gemm.fp8_forward(activated, down, down_scale, offsets, num_rows, group_rows)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _fp8_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, workspace):
+    """Both projections on the FP8 grouped GEMM: ``([num_rows, H], workspace)``. Differentiable in rows."""
+    hidden, workspace = gemm.fp8_forward(rows, gate_up, gate_up_scale, offsets, workspace, num_rows)
+    activated = gated_silu(hidden, rows.dtype)
+    return gemm.fp8_forward(activated, down, down_scale, offsets, workspace, num_rows)
 
 
-def _fp8_decode_experts_fwd(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, group_rows):
-    out = _fp8_decode_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, group_rows)
-    return out, (rows, gate_up, gate_up_scale, down, down_scale, offsets)
+def _fp8_experts_fwd(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, workspace):
+    out = _fp8_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, workspace)
+    # The live rows only, and a zero-width array carrying the scratch's row count (as _swiglu_grouped).
+    return out, (rows[:num_rows], gate_up, gate_up_scale, down, down_scale, offsets,
+                 jnp.zeros((rows.shape[0], 0), rows.dtype))
 
 
-def _fp8_decode_experts_bwd(num_rows, group_rows, residuals, d_out):
-    # The rows' gradient through the dequantised weights on the bf16 grouped GEMMs (the weight
-    # gradients it also forms are dead code); FP8 weights and scales are inference-only.
-    rows, gate_up, gate_up_scale, down, down_scale, offsets = residuals
-    gate_up, down = fp8.dequantize(gate_up, gate_up_scale, rows.dtype), fp8.dequantize(down, down_scale, rows.dtype)
+def _fp8_experts_bwd(num_rows, residuals, cotangents):
+    # The rows' gradient with the rows' quantisation as the identity (as fp8_dequantized_matmul's):
+    # through the dequantised weights on the bf16 grouped GEMMs (the weight gradients it also forms
+    # are dead code). FP8 weights and scales are inference-only; the workspace has no gradient.
+    rows, gate_up, gate_up_scale, down, down_scale, offsets, shape_of_rows = residuals
+    d_out = cotangents[0]
+    gate_up, down = (jnp.swapaxes(fp8.dequantize(w, s, rows.dtype), -1, -2)
+                     for w, s in ((gate_up, gate_up_scale), (down, down_scale)))
     workspace = gemm.backward_workspace(gate_up.shape[0])
     hidden, _ = gemm.forward(rows, gate_up, offsets, workspace, num_rows, gemm.SMALL_M_TILE)
-    d_rows, _, _ = swiglu_grouped_grad(rows[:num_rows], hidden, offsets, gate_up, down, d_out, num_rows,
-                                       gemm.SMALL_M_TILE)
-    d_rows = jnp.pad(d_rows, ((0, rows.shape[0] - num_rows), (0, 0)))
-    return d_rows, None, None, None, None, None
+    d_rows, _, _ = swiglu_grouped_grad(rows, hidden, offsets, gate_up, down, d_out, num_rows, gemm.SMALL_M_TILE)
+    d_rows = jnp.pad(d_rows, ((0, shape_of_rows.shape[0] - num_rows), (0, 0)))
+    return d_rows, None, None, None, None, None, None
 
 
-_fp8_decode_experts.defvjp(_fp8_decode_experts_fwd, _fp8_decode_experts_bwd)
+_fp8_experts.defvjp(_fp8_experts_fwd, _fp8_experts_bwd)
 
 
 def swiglu_experts_fp8(layer_params: dict, scratch: MoEScratch, num_tokens: int):
-    """``swiglu_experts_grouped`` for FP8 experts (``jax_moe.fp8``): at decode sizes the decode
-    kernel streams the FP8 weights and dequantises them in registers; otherwise the layer's experts
-    are dequantised to the rows' dtype and run on the bf16 grouped GEMMs. Differentiable in the
-    rows (not in the FP8 weights). Returns ``([live_row_bound(T), H], scratch)``."""
+    """``swiglu_experts_grouped`` for FP8 experts (``jax_moe.fp8``): both projections on the FP8
+    grouped GEMM (``gemm.fp8_forward``; rows quantised per 1 x 128 group, the scratch's workspace
+    threaded through), SwiGLU's activation between them. Differentiable in the rows (not in the FP8
+    weights). Returns ``([live_row_bound(T), H], scratch)``."""
     config = scratch.config
-    num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
-    ffn_size = layer_params["down"].shape[-2]
-    use_decode, group_rows = gemm.fp8_decode_plan(num_rows, config.num_local_experts, group_rows)
-    if use_decode and gemm.supports_fp8_decode(config.hidden_size, ffn_size):
-        scales = tuple(lax.stop_gradient(layer_params[name + fp8.SCALE_SUFFIX]) for name in fp8.QUANTIZED_NAMES)
-        out = _fp8_decode_experts(scratch.permuted, lax.stop_gradient(layer_params["gate_up"]), scales[0],
-                                  lax.stop_gradient(layer_params["down"]), scales[1], scratch.expert_offsets,
-                                  num_rows, group_rows)
-        return out, scratch
-    gate_up, down = fp8.expert_weights(layer_params, config.dtype)
-    return swiglu_experts_grouped({"gate_up": gate_up, "down": down}, scratch, num_tokens)
+    num_rows = config.live_row_bound(num_tokens)
+    weights = tuple(lax.stop_gradient(layer_params[name + suffix])
+                    for name in fp8.QUANTIZED_NAMES for suffix in ("", fp8.SCALE_SUFFIX))
+    out, workspace = _fp8_experts(scratch.permuted, *weights, scratch.expert_offsets, num_rows, scratch.workspace)
+    return out, scratch.replace(workspace=lax.stop_gradient(workspace))
 
 
 def uses_grouped_matmul(layer_params: dict, config) -> bool:
-    """Whether ``moe_layer``'s default experts run on the CUDA grouped GEMM (GPU, bf16, aligned sizes)."""
-    ffn_size = layer_params["down"].shape[-2]
+    """Whether ``moe_layer``'s default experts run on the CUDA grouped GEMMs (GPU, bf16, aligned sizes;
+    FP8 experts: H and F multiples of 128)."""
+    ffn_size = fp8.ffn_size(layer_params)
+    if fp8.is_quantized(layer_params) and not gemm.supports_fp8(config.hidden_size, ffn_size):
+        return False
     return jax.default_backend() == "gpu" and gemm.supports_grouped_matmul(config, config.hidden_size, ffn_size)
 
 

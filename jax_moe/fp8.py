@@ -1,23 +1,20 @@
 """Block-scaled FP8 expert weights: DeepSeek-V3's checkpoint format, kept as FP8 in memory.
 
-A weight [..., K, N] is stored as ``float8_e4m3fn`` values q and a float32 ``scale_inv``
-[..., ceil(K/128), ceil(N/128)], one per 128 x 128 block, with ``w = q * scale_inv`` (DeepSeek-V3's
-``weight`` and ``weight_scale_inv``, transposed to our [in, out] layout). In the params the
-experts' scales sit next to their weights as ``gate_up_scale_inv`` and ``down_scale_inv``.
+A Linear weight [out, in] is stored as ``float8_e4m3fn`` values q and a float32 ``scale_inv``
+[ceil(out/128), ceil(in/128)], one per 128 x 128 block, with ``w = q * scale_inv`` (DeepSeek-V3's
+``weight`` and ``weight_scale_inv``). FP8 experts keep that [out, in] layout in the params, because
+Hopper's FP8 tensor cores read both operands along K: ``gate_up`` [El, 2F, H] (gate rows first)
+and ``down`` [El, H, F], with ``gate_up_scale_inv`` [El, 2F/128, H/128] and ``down_scale_inv``
+[El, H/128, F/128] next to them (bf16 experts are [El, H, 2F] and [El, F, H]). H and F must be
+multiples of 128.
 
-The math of an FP8 expert layer: the weights are dequantised (q * scale_inv, in float32, then
-rounded to the rows' dtype) and multiplied with the rows as they are (bf16, float32 accumulation);
-activations are not quantised. On a GPU at decode sizes (``gemm.fp8_decode_plan``) the decode
-kernel reads the FP8 bytes and multiplies each exact q with the row value times scale_inv in
-float32 (never rounding the weight to bf16, so it differs from the dequantised weights' product by
-bf16 rounding), so a step reads half the bytes of bf16 experts. Elsewhere (CPU; GPU prefill) each
-layer dequantises its experts, then runs the bf16 experts: FP8 params halve the experts' memory (a
-DeepSeek-V3 checkpoint loads as stored), but such a step is slower than bf16, since the
-dequantised copy of every expert of the layer is written and read once per step.
-
-``gemm.fp8_prefill_forward`` is the FP8 tensor-core grouped GEMM for prefill (the rows quantised by
-``quantize_rows``); it reads the checkpoint's [El, N, K] layout, which FP8 wgmma needs, so the
-layers (whose FP8 params are [K, N] for the decode kernel) do not use it yet.
+The math of an FP8 expert layer (DeepSeek-V3's inference recipe): the rows entering each
+projection are quantised per 1 x 128 group of a row (``quantize_rows``), both operands are
+dequantised exactly, and the product is accumulated in float32 and rounded to the rows' dtype;
+SwiGLU's activation between the projections is float32, rounded to the rows' dtype.
+``gemm.fp8_forward`` runs it on the GPU (CUTLASS's blockwise-scaled FP8 grouped GEMM, at every
+row count) and elsewhere as ``gemm.fp8_dequantized_matmul``. Gradients reach the rows only, as if
+the quantisation of the rows were the identity (FP8 experts are for inference).
 """
 
 from __future__ import annotations
@@ -46,26 +43,33 @@ def _expand(scale_inv: jax.Array, k: int, n: int) -> jax.Array:
 
 
 def quantize(weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(q [..., K, N] float8_e4m3fn, scale_inv [..., ceil(K/128), ceil(N/128)] float32)``.
+    """``(q [..., R, C] float8_e4m3fn, scale_inv [..., ceil(R/128), ceil(C/128)] float32)``, blocks of
+    the last two axes (a Linear weight's [out, in]).
 
     Each 128 x 128 block is scaled so its largest magnitude maps to 448 (e4m3's largest finite
     value) and rounded to nearest; an all-zero block gets scale 1. ``dequantize`` inverts it to
     within e4m3's rounding: |w - q * scale_inv| <= 2**-4 * |w| + 2**-10 * scale_inv per element
-    (3 mantissa bits; the second term covers subnormals).
+    (3 mantissa bits; the second term covers subnormals). Jitted, so a layer's experts are read
+    twice and written once as FP8, with no float32 copy of them (DeepSeek-V3's layer: 22 GB of bf16).
     """
-    k, n = weights.shape[-2:]
-    w = weights.astype(jnp.float32)
-    pad = [(0, 0)] * (w.ndim - 2) + [(0, num_blocks(k) * BLOCK - k), (0, num_blocks(n) * BLOCK - n)]
-    padded = jnp.pad(w, pad)
-    blocks = padded.reshape(*w.shape[:-2], num_blocks(k), BLOCK, num_blocks(n), BLOCK)
-    amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
+    return _quantize(weights)
+
+
+@jax.jit
+def _quantize(weights):
+    rows, cols = weights.shape[-2:]
+    lead = weights.shape[:-2]
+    pad = [(0, 0)] * len(lead) + [(0, num_blocks(rows) * BLOCK - rows), (0, num_blocks(cols) * BLOCK - cols)]
+    blocks = jnp.pad(weights, pad).reshape(*lead, num_blocks(rows), BLOCK, num_blocks(cols), BLOCK)
+    amax = jnp.max(jnp.abs(blocks.astype(jnp.float32)), axis=(-3, -1))
     scale_inv = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
-    q = jnp.clip(w / _expand(scale_inv, k, n), -FP8_MAX, FP8_MAX).astype(FP8)
+    q = jnp.clip(blocks.astype(jnp.float32) / scale_inv[..., :, None, :, None], -FP8_MAX, FP8_MAX).astype(FP8)
+    q = q.reshape(*lead, num_blocks(rows) * BLOCK, num_blocks(cols) * BLOCK)[..., :rows, :cols]
     return q, scale_inv
 
 
 def dequantize(q: jax.Array, scale_inv: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """``q * scale_inv`` block by block, in float32, then cast to dtype: [..., K, N]."""
+    """``q * scale_inv`` block by block, in float32, then cast to dtype: [..., R, C] as q."""
     k, n = q.shape[-2:]
     return (q.astype(jnp.float32) * _expand(scale_inv, k, n)).astype(dtype)
 
@@ -99,20 +103,33 @@ def is_quantized(params: dict) -> bool:
 
 
 def quantize_params(params: dict) -> dict:
-    """The params with ``gate_up`` and ``down`` quantised to FP8 and their ``*_scale_inv`` added;
-    every other leaf as it is. Stacked or one layer's."""
+    """The params with ``gate_up`` and ``down`` quantised to FP8 in the [out, in] layout (transposed
+    from the bf16 experts' [in, out]) and their ``*_scale_inv`` added; every other leaf as it is.
+    Stacked or one layer's."""
     out = dict(params)
     for name in QUANTIZED_NAMES:
-        out[name], out[name + SCALE_SUFFIX] = quantize(params[name])
+        out[name], out[name + SCALE_SUFFIX] = quantize(jnp.swapaxes(params[name], -1, -2))
     return out
 
 
 def expert_weights(layer_params: dict, dtype) -> tuple[jax.Array, jax.Array]:
-    """``(gate_up, down)`` in dtype: dequantised when the params carry FP8 experts (then constants
-    to autodiff)."""
+    """``(gate_up [..., H, 2F], down [..., F, H])`` in dtype: the bf16 experts' layout, dequantised and
+    transposed when the params carry FP8 experts (then constants to autodiff)."""
     if not is_quantized(layer_params):
         return layer_params["gate_up"].astype(dtype), layer_params["down"].astype(dtype)
     # FP8 weights are for inference: no gradient reaches them or their scales.
-    return tuple(dequantize(jax.lax.stop_gradient(layer_params[name]),
-                            jax.lax.stop_gradient(layer_params[name + SCALE_SUFFIX]), dtype)
+    return tuple(jnp.swapaxes(dequantize(jax.lax.stop_gradient(layer_params[name]),
+                                         jax.lax.stop_gradient(layer_params[name + SCALE_SUFFIX]), dtype), -1, -2)
                  for name in QUANTIZED_NAMES)
+
+
+def ffn_size(layer_params: dict) -> int:
+    """F of the (layer or stacked) params: ``down`` is [..., F, H], or [..., H, F] when FP8."""
+    return layer_params["down"].shape[-1 if is_quantized(layer_params) else -2]
+
+
+def straight_through_rows(rows: jax.Array) -> jax.Array:
+    """``dequantize_rows(*quantize_rows(rows))`` in float32, with the identity's gradient (the
+    quantisation is a constant offset to autodiff): the FP8 GEMM's view of its rows [R, K]."""
+    exact = rows.astype(jnp.float32)
+    return exact + jax.lax.stop_gradient(dequantize_rows(*quantize_rows(rows)) - exact)

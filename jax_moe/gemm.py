@@ -49,10 +49,6 @@ LARGE_M_MIN_ROWS_PER_EXPERT = 512
 DECODE_MAX_ROWS_PER_EXPERT = 2.0
 DECODE_MAX_GROUP_ROWS = 2
 DECODE_MAX_ROWS_PER_PASS = 8
-# FP8 experts run on the decode kernel (which reads their bytes) while owning experts expect at most
-# this many rows; above it, each layer's experts are dequantised for the bf16 grouped GEMMs, which
-# writes and reads every expert of the layer (measured: notebooks/results/bench_decode_fp8.md).
-FP8_DECODE_MAX_ROWS_PER_EXPERT = 8.0
 # The products of cuda/grouped_gemm.h (GemmOp).
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
 
@@ -131,14 +127,12 @@ def _call(op, a, b, offsets, workspace, out_shape, tile, group_rows=None):
     return out, fence_results(workspace)
 
 
-def _decode_call(rows, weights, offsets, out_shape, gated: bool, group_rows=None, scale_inv=None):
-    """The decode kernel: out_shape's rows of ``rows @ weights[g]``, or of SwiGLU's activation;
-    FP8 weights with their block scales when scale_inv is given."""
-    target = _native.DECODE_MATMUL_TARGET if scale_inv is None else _native.DECODE_MATMUL_FP8_TARGET
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, rows.dtype), vmap_method="sequential")
+def _decode_call(rows, weights, offsets, out_shape, gated: bool, group_rows=None):
+    """The decode kernel: out_shape's rows of ``rows @ weights[g]``, or of SwiGLU's activation."""
+    call = jax.ffi.ffi_call(_native.DECODE_MATMUL_TARGET, jax.ShapeDtypeStruct(out_shape, rows.dtype),
+                            vmap_method="sequential")
     rows_per_pass = decode_rows_per_pass(out_shape[0], weights.shape[0], group_rows)
-    operands = (rows, weights, offsets) if scale_inv is None else (rows, weights, scale_inv, offsets)
-    return fence_results(call(*operands, gated=gated, rows_per_pass=np.int64(rows_per_pass)))
+    return fence_results(call(rows, weights, offsets, gated=gated, rows_per_pass=np.int64(rows_per_pass)))
 
 
 def gated_silu(hidden: jax.Array, dtype) -> jax.Array:
@@ -271,48 +265,6 @@ def gated_forward(rows, gate_up, offsets, workspace, num_rows: int, tile: int, g
     activated = _on_cuda(lambda r, w, o: _decode_call(r, w, o, out_shape, gated=True, group_rows=group_rows),
                          fallback, rows, gate_up, offsets)
     return activated, workspace
-
-
-def supports_fp8_decode(hidden_size: int, ffn_size: int) -> bool:
-    """Whether the decode kernel can read FP8 experts of these sizes (whole 128 x 128 scale blocks)."""
-    return _native.HAS_CUDA and hidden_size % fp8.BLOCK == 0 and ffn_size % fp8.BLOCK == 0
-
-
-def fp8_decode_plan(num_rows: int, num_groups: int, group_rows: int | None) -> tuple[bool, int | None]:
-    """``(use the decode kernel, group_rows for its rows per pass)`` for FP8 experts.
-
-    Taken while owning experts expect at most FP8_DECODE_MAX_ROWS_PER_EXPERT rows, whatever one
-    expert may own: an expert with more rows than a pass takes is read again (from L2 at these
-    sizes), still far cheaper than dequantising every expert. Rows per pass follow group_rows only
-    up to DECODE_MAX_GROUP_ROWS, else the expected rows (passes sized for rare crowded experts
-    slowed every block: DeepSeek-V3 at T = 8, 8 rows per pass, 1.2x the bf16 layer's time).
-    """
-    use = expected_rows_per_expert(num_rows, num_groups) <= FP8_DECODE_MAX_ROWS_PER_EXPERT
-    few = group_rows is not None and group_rows <= DECODE_MAX_GROUP_ROWS
-    return use, group_rows if few else None
-
-
-def fp8_forward(rows, weights, scale_inv, offsets, num_rows: int, group_rows: int | None = None,
-                gated: bool = False):
-    """The decode kernel on FP8 experts (``jax_moe.fp8``): ``[num_rows, N]`` = each group's rows @
-    dequantised weights[g] [K, N] (``gated``: ``[num_rows, N / 2]``, ``gated_silu`` of it, the
-    product rounded to rows' dtype first). Elsewhere: the same math on dequantised weights
-    (``ragged_dot``), also on a GPU for rows other than bf16 or K, N (N / 2 when gated) not
-    multiples of 128, which the kernel does not take. No autodiff rule.
-    """
-    k, n = weights.shape[1:]
-    width = n // 2 if gated else n
-
-    def fallback(r, w, s, o):
-        out = _ragged_dot(r[:num_rows], fp8.dequantize(w, s, r.dtype), o).astype(r.dtype)
-        return gated_silu(out, r.dtype) if gated else out
-
-    def native(r, w, s, o):
-        return _decode_call(r, w, o, (num_rows, width), gated=gated, group_rows=group_rows, scale_inv=s)
-
-    if not (rows.dtype == jnp.bfloat16 and supports_fp8_decode(k, width)):
-        return fallback(rows, weights, scale_inv, offsets)
-    return _on_cuda(native, fallback, rows, weights, scale_inv, offsets)
 
 
 def input_grad(d_out, weights, offsets, workspace, num_rows: int, tile: int):
@@ -461,7 +413,8 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, scratch: MoEScratch, *,
 
 
 def fp8_workspace(num_groups: int) -> jax.Array:
-    """A workspace for ``fp8_prefill_forward``: the FP8 GEMM's per-group arguments (int32 words)."""
+    """A workspace for ``fp8_forward`` alone: the FP8 GEMM's per-group arguments (int32 words). A
+    scratch's workspace (``init_scratch``) has room for them too."""
     return jnp.zeros((max(1, -(-_native.fp8_grouped_matmul_workspace_bytes(num_groups) // 4)),), jnp.int32)
 
 
@@ -478,7 +431,7 @@ def fp8_tile_rows(num_rows: int, num_groups: int) -> int:
 
 
 def _fp8_grouped_matmul_call(rows, weights_nk, scale_nk, offsets, workspace, num_rows: int, tile_rows: int):
-    """The CUDA call of ``fp8_prefill_forward``: ``(out, workspace, q_rows, row_scale)``, the last two
+    """The CUDA call of ``fp8_forward``: ``(out, workspace, q_rows, row_scale)``, the last two
     the call's quantised rows (``fp8.quantize_rows(rows[:num_rows])``, temporaries; tests read them)."""
     n, k = weights_nk.shape[1:]
     call = jax.ffi.ffi_call(
@@ -489,13 +442,16 @@ def _fp8_grouped_matmul_call(rows, weights_nk, scale_nk, offsets, workspace, num
     return fence_results(call(rows, weights_nk, scale_nk, offsets, workspace, tile_rows=np.int64(tile_rows)))
 
 
-def _check_fp8_prefill(rows, weights_nk, scale_nk, offsets, num_rows):
-    """Trace-time ValueErrors for ``fp8_prefill_forward``'s operands."""
-    op = "fp8_prefill_forward"
+def _check_fp8_forward(rows, weights_nk, scale_nk, offsets, num_rows):
+    """Trace-time ValueErrors for ``fp8_forward``'s operands."""
+    op = "fp8_forward"
     if jnp.ndim(weights_nk) != 3 or jnp.dtype(weights_nk.dtype) != jnp.dtype(fp8.FP8):
         raise ValueError(f"{op}: weights_nk: expected float8_e4m3fn [El, N, K], got {weights_nk.dtype} "
                          f"{tuple(jnp.shape(weights_nk))}")
     num_groups, n, k = weights_nk.shape
+    if k % fp8.BLOCK:
+        raise ValueError(f"{op}: weights_nk: expected K a multiple of {fp8.BLOCK} (the rows are quantised per "
+                         f"1 x {fp8.BLOCK} group), got K={k}")
     if jnp.ndim(rows) != 2 or rows.shape[1] != k:
         raise ValueError(f"{op}: rows: expected [R, K={k}], got {tuple(jnp.shape(rows))}")
     want = (num_groups, fp8.num_blocks(n), fp8.num_blocks(k))
@@ -508,10 +464,26 @@ def _check_fp8_prefill(rows, weights_nk, scale_nk, offsets, num_rows):
         raise ValueError(f"{op}: num_rows: expected 0..{rows.shape[0]} (the rows), got {num_rows}")
 
 
-def fp8_prefill_forward(rows, weights_nk, scale_nk, offsets, workspace, num_rows: int, tile_rows: int | None = None):
+def supports_fp8(hidden_size: int, ffn_size: int) -> bool:
+    """Whether FP8 experts of these sizes run on the FP8 grouped GEMM (both multiples of 128)."""
+    return _native.HAS_CUDA and hidden_size % fp8.BLOCK == 0 and ffn_size % fp8.BLOCK == 0
+
+
+def fp8_dequantized_matmul(rows, weights_nk, scale_nk, offsets, num_rows: int):
+    """``fp8_forward``'s math on dequantised operands: ``[num_rows, N]`` in rows' dtype = each group's
+    ``fp8.straight_through_rows(rows)`` @ dequantised weights^T, float32 accumulation (``ragged_dot``).
+    Differentiable in rows (the rows' quantisation passes the gradient through)."""
+    a = fp8.straight_through_rows(rows[:num_rows])
+    b = jnp.swapaxes(fp8.dequantize(lax.stop_gradient(weights_nk), lax.stop_gradient(scale_nk), jnp.float32), -1, -2)
+    return _ragged_dot(a, b, offsets).astype(rows.dtype)
+
+
+def fp8_forward(rows, weights_nk, scale_nk, offsets, workspace, num_rows: int, tile_rows: int | None = None):
     """``[num_rows, N]`` bf16: each expert's rows, quantised per 1 x 128 group of a row
     (``fp8.quantize_rows``), times its FP8 weights, on Hopper's FP8 tensor cores (CUTLASS's
-    blockwise-scaled grouped GEMM, float32 accumulation); rows in no group are zero.
+    blockwise-scaled grouped GEMM, float32 accumulation); rows in no group are zero. At every row
+    count: at decode it streams the FP8 weights near the copy rate (one H200, DeepSeek-V3's gate/up
+    at T=1: 66 us for 235 MB).
 
     Args:
       rows: [R >= num_rows, K] bf16 grouped by expert (``permute``'s layout).
@@ -522,21 +494,17 @@ def fp8_prefill_forward(rows, weights_nk, scale_nk, offsets, workspace, num_rows
       tile_rows: 64 or 128, the CUTLASS row tile (default ``fp8_tile_rows``; the math is the same).
 
     Returns ``(out, workspace)``. Off CUDA (or for shapes it does not take: K or N not a multiple of
-    128, rows not bf16) the same math on dequantised operands, float32 accumulation (``ragged_dot``).
-    Not yet used by the layers: their FP8 params are stored [El, K, N] for the decode kernel.
+    128, rows not bf16) ``fp8_dequantized_matmul``. No autodiff rule (``experts`` gives the layer's).
     """
-    _check_fp8_prefill(rows, weights_nk, scale_nk, offsets, num_rows)
+    _check_fp8_forward(rows, weights_nk, scale_nk, offsets, num_rows)
     num_groups, n, k = weights_nk.shape
     if tile_rows is None:
         tile_rows = fp8_tile_rows(num_rows, num_groups)
     elif tile_rows not in FP8_TILE_ROWS:
-        raise ValueError(f"fp8_prefill_forward: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
+        raise ValueError(f"fp8_forward: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
 
     def fallback(r, w, s, o, ws):
-        q, row_scale = fp8.quantize_rows(r[:num_rows])
-        a = fp8.dequantize_rows(q, row_scale, jnp.float32)
-        b = jnp.swapaxes(fp8.dequantize(w, s, jnp.float32), -1, -2)  # [El, K, N]
-        return _ragged_dot(a, b, o).astype(r.dtype), ws
+        return fp8_dequantized_matmul(r, w, s, o, num_rows), ws
 
     def native(r, w, s, o, ws):
         return _fp8_grouped_matmul_call(r, w, s, o, ws, num_rows, tile_rows)[:2]

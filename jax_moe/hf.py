@@ -230,8 +230,9 @@ def load_moe(path, *, max_tokens: int, dtype=None, experts_fp8: bool | None = No
       ``{"router": [L, H, E], "gate_up": [L, E, H, 2F], "down": [L, E, F, H]}`` plus, where the
       model has them, ``router_bias`` [L, E] float32 and the shared expert's ``shared_gate_up``
       [L, H, 2Fs], ``shared_down`` [L, Fs, H], ``shared_gate`` [L, H, 1]. L = the MoE layers.
-      FP8 experts add ``gate_up_scale_inv`` [L, E, H/128, 2F/128] and ``down_scale_inv``
-      [L, E, F/128, H/128] (float32).
+      FP8 experts keep the checkpoint's [out, in] layout: ``gate_up`` [L, E, 2F, H] and ``down``
+      [L, E, H, F] float8_e4m3fn with ``gate_up_scale_inv`` [L, E, 2F/128, H/128] and
+      ``down_scale_inv`` [L, E, H/128, F/128] (float32).
 
     Raises:
       ValueError: an unsupported architecture, a config field it cannot honour, a missing or
@@ -281,12 +282,16 @@ def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = Fal
     L, E, H, F = len(layout.moe_layers), layout.num_experts, layout.hidden, layout.ffn
     np_dtype = np.dtype(dtype)
     expert_dtype = np.dtype(ml_dtypes.float8_e4m3fn) if keep_fp8 else np_dtype
-    params = {"router": np.empty((L, H, E), np_dtype), "gate_up": np.empty((L, E, H, 2 * F), expert_dtype),
-              "down": np.empty((L, E, F, H), expert_dtype)}
-    if keep_fp8:
+    params = {"router": np.empty((L, H, E), np_dtype)}
+    if keep_fp8:  # the checkpoint's [out, in] layout (jax_moe.fp8), gate rows then up rows
         blocks_h, blocks_f = fp8.num_blocks(H), fp8.num_blocks(F)
-        params["gate_up" + fp8.SCALE_SUFFIX] = np.empty((L, E, blocks_h, fp8.num_blocks(2 * F)), np.float32)
-        params["down" + fp8.SCALE_SUFFIX] = np.empty((L, E, blocks_f, blocks_h), np.float32)
+        params["gate_up"] = np.empty((L, E, 2 * F, H), expert_dtype)
+        params["down"] = np.empty((L, E, H, F), expert_dtype)
+        params["gate_up" + fp8.SCALE_SUFFIX] = np.empty((L, E, 2 * blocks_f, blocks_h), np.float32)
+        params["down" + fp8.SCALE_SUFFIX] = np.empty((L, E, blocks_h, blocks_f), np.float32)
+    else:
+        params["gate_up"] = np.empty((L, E, H, 2 * F), expert_dtype)
+        params["down"] = np.empty((L, E, F, H), expert_dtype)
 
     def scales(name: str, out_f: int, in_f: int) -> np.ndarray:
         return tensors.get(name + ".weight_scale_inv", (fp8.num_blocks(out_f), fp8.num_blocks(in_f)))
@@ -319,16 +324,16 @@ def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = Fal
         params["router"][i] = tensors.get(block + "gate.weight", (E, H)).T
         if layout.router_bias:
             params["router_bias"][i] = tensors.get(block + "gate.e_score_correction_bias", (E,))
-        if keep_fp8:  # transposed to [in, out], gate and up side by side, and so their scale grids
+        if keep_fp8:  # as stored, [out, in]: gate rows above up rows, and so their scale grids
             for e in range(E):
                 expert = f"{block}experts.{e}."
-                for column, name in ((0, gate_name), (1, up_name)):
+                for part, name in ((0, gate_name), (1, up_name)):
                     weight, scale = fp8_linear(expert + name, F, H)
-                    params["gate_up"][i, e, :, column * F:(column + 1) * F] = weight.T
-                    params["gate_up" + fp8.SCALE_SUFFIX][i, e, :, column * blocks_f:(column + 1) * blocks_f] = scale.T
+                    params["gate_up"][i, e, part * F:(part + 1) * F] = weight
+                    params["gate_up" + fp8.SCALE_SUFFIX][i, e, part * blocks_f:(part + 1) * blocks_f] = scale
                 weight, scale = fp8_linear(expert + down_name, H, F)
-                params["down"][i, e] = weight.T
-                params["down" + fp8.SCALE_SUFFIX][i, e] = scale.T
+                params["down"][i, e] = weight
+                params["down" + fp8.SCALE_SUFFIX][i, e] = scale
         elif block + "experts.gate_up_proj" in tensors:  # fused: [E, 2F, H] (gate rows first), [E, H, F]
             params["gate_up"][i] = tensors.get(block + "experts.gate_up_proj", (E, 2 * F, H)).transpose(0, 2, 1)
             params["down"][i] = tensors.get(block + "experts.down_proj", (E, H, F)).transpose(0, 2, 1)

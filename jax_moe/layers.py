@@ -96,12 +96,13 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
                          f"{unknown}")
     lead = (jnp.shape(layer_params["router"])[0],) if stacked and jnp.ndim(layer_params["router"]) else ()
     hidden, experts, local = config.hidden_size, config.num_experts, config.num_local_experts
-    ffn2 = jnp.shape(layer_params["gate_up"])[-1] if jnp.ndim(layer_params["gate_up"]) else -1
+    quantized = fp8.is_quantized(layer_params)  # FP8 experts keep the checkpoint's [out, in] layout
+    ffn2 = jnp.shape(layer_params["gate_up"])[-2 if quantized else -1] if jnp.ndim(layer_params["gate_up"]) > 1 else -1
     shared2 = jnp.shape(layer_params["shared_gate_up"])[-1] if jnp.ndim(layer_params.get("shared_gate_up", 0)) else -1
     want = {
         "router": lead + (hidden, experts),
-        "gate_up": lead + (local, hidden, ffn2),
-        "down": lead + (local, ffn2 // 2, hidden),
+        "gate_up": lead + ((local, ffn2, hidden) if quantized else (local, hidden, ffn2)),
+        "down": lead + ((local, hidden, ffn2 // 2) if quantized else (local, ffn2 // 2, hidden)),
         "router_bias": lead + (experts,),
         "shared_gate_up": lead + (hidden, shared2),
         "shared_down": lead + (shared2 // 2, hidden),
@@ -116,8 +117,8 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
         if have != shape or (name != "router_bias" and name != "shared_gate" and (width < 2 or width % 2)):
             raise ValueError(
                 f"{op}: params[{name!r}]: expected shape {shape} ({layout}... with H={hidden}, E={experts}, "
-                f"El={local}, gate_up last axes 2F and 2Fs even), got {have}")
-    _check_fp8_params(op, layer_params, lead, layout)
+                f"El={local}, 2F and 2Fs even{'; FP8 experts [out, in]' if quantized else ''}), got {have}")
+    _check_fp8_params(op, layer_params, lead, layout, hidden, ffn2 // 2)
     if ("shared_gate_up" in layer_params) != ("shared_down" in layer_params) or (
             "shared_gate" in layer_params and "shared_gate_up" not in layer_params):
         present = sorted(n for n in SHARED_NAMES if n in layer_params)
@@ -125,23 +126,27 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
                          f"them), got {present}")
 
 
-def _check_fp8_params(op: str, layer_params, lead: tuple, layout: str) -> None:
-    """FP8 experts (``jax_moe.fp8``): both scales or none; e4m3 weights and [.., El, K/128, N/128] scales."""
+def _check_fp8_params(op: str, layer_params, lead: tuple, layout: str, hidden: int, ffn: int) -> None:
+    """FP8 experts (``jax_moe.fp8``): both scales or none; e4m3 weights [.., El, out, in] with H and F
+    multiples of 128, and [.., El, out/128, in/128] scales."""
     present = [name for name in FP8_SCALE_NAMES if name in layer_params]
     if not present:
         return
     if len(present) != len(FP8_SCALE_NAMES):
         raise ValueError(f"{op}: params: expected {FP8_SCALE_NAMES} together (FP8 experts), got {present}")
+    if hidden % fp8.BLOCK or ffn % fp8.BLOCK:
+        raise ValueError(f"{op}: params: FP8 experts need H and F multiples of {fp8.BLOCK} (whole scale blocks "
+                         f"along K for the rows' quantisation), got H={hidden}, F={ffn}")
     for name in fp8.QUANTIZED_NAMES:
         weights, scales = layer_params[name], layer_params[name + fp8.SCALE_SUFFIX]
         if jnp.dtype(weights.dtype) != jnp.dtype(fp8.FP8):
             raise ValueError(f"{op}: params[{name!r}]: expected float8_e4m3fn next to {name + fp8.SCALE_SUFFIX!r}, "
                              f"got {weights.dtype}")
-        k, n = jnp.shape(weights)[-2:]
-        want = lead + (jnp.shape(weights)[len(lead)], fp8.num_blocks(k), fp8.num_blocks(n))
+        out_f, in_f = jnp.shape(weights)[-2:]
+        want = lead + (jnp.shape(weights)[len(lead)], fp8.num_blocks(out_f), fp8.num_blocks(in_f))
         if tuple(jnp.shape(scales)) != want or jnp.dtype(scales.dtype) != jnp.float32:
             raise ValueError(f"{op}: params[{name + fp8.SCALE_SUFFIX!r}]: expected float32 {want} ({layout}El, "
-                             f"ceil(K/128), ceil(N/128)]), got {scales.dtype}{list(jnp.shape(scales))}")
+                             f"out/128, in/128]), got {scales.dtype}{list(jnp.shape(scales))}")
 
 
 def _flat_tokens(op: str, x, config: MoEConfig) -> jax.Array:

@@ -34,17 +34,18 @@ COUNTER_WORDS = 32
 
 
 def workspace_size(config: MoEConfig) -> int:
-    """int32 words of the workspace: permute's routing counters or the grouped GEMM's arguments,
-    then ``COUNTER_WORDS`` for the decode router.
+    """int32 words of the workspace: permute's routing counters or the grouped GEMMs' arguments
+    (bf16 or FP8 experts), then ``COUNTER_WORDS`` for the decode router.
 
-    The first two are never live at once (each call leaves nothing in it for the next), so they
-    share the buffer and take the larger of the two sizes.
+    The first ones are never live at once (each call leaves nothing in it for the next), so they
+    share the buffer and take the largest of the sizes.
     """
     tiles = -(-config.max_tokens * config.top_k // ROUTING_TILE)
     routing_words = config.num_local_experts * (tiles + 1)
     gemm_bytes = 0
     if config.dtype in GROUPED_MATMUL_DTYPES:
-        gemm_bytes = _native.grouped_matmul_workspace_bytes(config.num_local_experts)
+        gemm_bytes = max(_native.grouped_matmul_workspace_bytes(config.num_local_experts),
+                         _native.fp8_grouped_matmul_workspace_bytes(config.num_local_experts))
     return max(routing_words, -(-gemm_bytes // 4)) + COUNTER_WORDS
 
 

@@ -114,16 +114,15 @@ for num_tokens, ffn, hidden_size in ((1, 96, 264), (40, 1024, 264), (1, 768, 204
     print("decode T", num_tokens, "live rows", live, "finite", bool(np.isfinite(np.asarray(out, np.float32)).all()),
           "gated finite", bool(np.isfinite(np.asarray(gated, np.float32)).all()),
           "rows past live zero", not np.asarray(out[live:], np.float32).any())
-    # The same groups on FP8 weights (scales per 128 x 128 block; K, N multiples of 128).
+    # The same groups on the FP8 grouped GEMM (weights [El, N, K], 128 x 128 block scales), both
+    # row tiles, the scratch's workspace.
     q, scale_inv = jax.jit(jax_moe.fp8.quantize)(rng.standard_normal((16, 256, 256)) / 16)
     rows = scratch.permuted[:, :256]
-    fp8_out = jax.jit(lambda r, q, s, o: jax_moe.gemm.fp8_forward(r, q, s, o, config.capacity))(
-        rows, q, scale_inv, scratch.expert_offsets)
-    fp8_gated = jax.jit(lambda r, q, s, o: jax_moe.gemm.fp8_forward(r, q, s, o, config.capacity, gated=True))(
-        rows, q, scale_inv, scratch.expert_offsets)
-    print("decode fp8 T", num_tokens, "finite", bool(np.isfinite(np.asarray(fp8_out, np.float32)).all()),
-          "gated finite", bool(np.isfinite(np.asarray(fp8_gated, np.float32)).all()),
-          "rows past live zero", not np.asarray(fp8_out[live:], np.float32).any())
+    for tile in jax_moe.gemm.FP8_TILE_ROWS:
+        fp8_out, _ = jax.jit(lambda r, q, s, o, ws: jax_moe.gemm.fp8_forward(r, q, s, o, ws, config.capacity, tile))(
+            rows, q, scale_inv, scratch.expert_offsets, scratch.workspace)
+        print("fp8 T", num_tokens, "tile", tile, "finite", bool(np.isfinite(np.asarray(fp8_out, np.float32)).all()),
+              "rows past live zero", not np.asarray(fp8_out[live:], np.float32).any())
 
 # The decode router: one token and two token groups (T = 12), softmax and DeepSeek-V3's groups
 # with a bias, E from 8 to 512 (a partial expert tile at E = 8).

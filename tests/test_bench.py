@@ -147,17 +147,21 @@ def test_gemm_suite_measures_each_implementation_and_the_layer(monkeypatch):
 
 
 def test_gemm_suite_times_the_fp8_prefill_gemm_against_bf16(monkeypatch):
-    """From FP8_MIN_TOKENS up (H and 2F multiples of 128) a jax_moe/fp8 row, in the table against bf16."""
+    """From FP8_MIN_TOKENS up (H and F multiples of 128) jax_moe/fp8 rows for the GEMM and the whole
+    layer (the same draws quantised), in the tables against bf16."""
     from jax_moe.bench.models import ModelShape
     monkeypatch.setattr(gemm_suite, "FP8_MIN_TOKENS", 32)
-    model = ModelShape("tiny128", "tiny128", 4, 2, 128, ffn_size=64)
+    model = ModelShape("tiny128", "tiny128", 4, 2, 128, ffn_size=128)
     notes = []
     rows = gemm_suite.measure_gemm(model, 32, timing.Clock(), notes)
     by = {r["impl"]: r for r in rows}
     assert by["jax_moe/fp8"]["us"] > 0 and by["jax_moe/fp8"]["flops"] == by["jax_moe"]["flops"]
     assert "jax_moe/fp8" not in {r["impl"] for r in gemm_suite.measure_gemm(model, 16, timing.Clock(), notes)}
-    text = gemm_suite.table(rows)
+    layer = {r["impl"]: r for r in gemm_suite.measure_layer(model, 32, timing.Clock())}
+    assert layer["jax_moe/fp8"]["us"] > 0 and layer["jax_moe"]["us"] > 0
+    text = gemm_suite.table(rows + list(layer.values()))
     assert "FP8 vs bf16" in text and f"{by['jax_moe']['us'] / by['jax_moe/fp8']['us']:.2f}x" in text
+    assert f"{layer['jax_moe']['us'] / layer['jax_moe/fp8']['us']:.2f}x |" in text
 
 
 def test_timing_loop_keeps_every_output():

@@ -1,9 +1,9 @@
-"""FP8 experts (jax_moe.fp8): block quantisation, the layer on FP8 params, the decode kernel on GPU.
+"""FP8 experts (jax_moe.fp8): block quantisation, the FP8 grouped GEMM, the layer on FP8 params.
 
-The FP8 layer's math is "dequantise the weights to the rows' dtype, multiply with the rows": on CPU
-(and on GPU above decode sizes) it is that literally, so an FP8 stack equals the stack of the
-dequantised params exactly; the GPU decode kernel, which dequantises in registers and accumulates
-in float32, is held to it within bf16 rounding.
+The FP8 layer's math: each projection's rows are quantised per 1 x 128 group of a row, both
+operands dequantised exactly, float32 accumulation, the result rounded to the rows' dtype
+(``gemm.fp8_dequantized_matmul`` on CPU; CUTLASS's blockwise-scaled FP8 grouped GEMM on a GPU,
+whose quantised rows are the CPU's bytes and whose products are held to a float64 reference).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import jax_moe
-from jax_moe import MoEConfig, fp8, gemm, init_scratch, permute
+from jax_moe import MoEConfig, fp8, gemm, init_scratch
+from jax_moe.experts import swiglu_experts
 from jax_moe.bench.models import MODELS
 from cases import GROUPED_GEMM_EDGE_CASES, grouped_gemm_edge_case, routed_scratch
 from oracle import assert_zero_past_groups
@@ -24,8 +25,7 @@ BF16 = jnp.bfloat16
 
 def _dequantized(params):
     out = {n: a for n, a in params.items() if not n.endswith(fp8.SCALE_SUFFIX)}
-    for name in fp8.QUANTIZED_NAMES:
-        out[name] = fp8.dequantize(params[name], params[name + fp8.SCALE_SUFFIX], BF16)
+    out["gate_up"], out["down"] = fp8.expert_weights(params, BF16)  # the bf16 experts' [in, out] layout
     return out
 
 
@@ -49,7 +49,42 @@ def test_all_zero_block_gets_scale_one():
     np.testing.assert_array_equal(np.asarray(fp8.dequantize(q, scale_inv)), np.asarray(w))
 
 
-def test_fp8_stack_is_the_stack_of_dequantized_weights():
+def _fp8_swiglu_float64(layer, rows, sizes):
+    """The FP8 SwiGLU experts in NumPy float64 from the quantised bytes: [R, H] float64 (before the
+    final rounding to bf16; the activation rounded to bf16 as the layer rounds it)."""
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+
+    def project(a, name):
+        q, scale = fp8.quantize_rows(jnp.asarray(a, BF16))
+        a = np.asarray(fp8.dequantize_rows(q, scale), np.float64)
+        w = np.asarray(fp8.dequantize(layer[name], layer[name + fp8.SCALE_SUFFIX]), np.float64)  # [El, out, in]
+        out = np.zeros((a.shape[0], w.shape[1]))
+        for g in range(w.shape[0]):
+            out[offsets[g]:offsets[g + 1]] = a[offsets[g]:offsets[g + 1]] @ w[g].T
+        return out
+
+    hidden = np.asarray(jnp.asarray(project(rows, "gate_up"), BF16), np.float64)
+    gate, up = np.split(hidden, 2, axis=-1)
+    activated = np.asarray(jnp.asarray(gate / (1 + np.exp(-gate)) * up, BF16), np.float64)
+    return project(activated, "down")
+
+
+def test_fp8_swiglu_experts_are_the_fp8_recipe():
+    """Rows quantised per 1 x 128 group before each projection, exact operands, float32 sums."""
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=256, max_tokens=8, dtype=BF16)
+    layer = jax.tree.map(lambda a: a[0], fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(1), config, 1, 128)))
+    assert layer["gate_up"].shape == (4, 256, 256) and layer["down"].shape == (4, 256, 128)  # [El, out, in]
+    rows = (jax.random.normal(jax.random.key(2), (12, 256)) * jnp.linspace(0.1, 3.0, 256)).astype(BF16)
+    sizes = jnp.asarray([5, 0, 4, 1], jnp.int32)  # two rows past the groups: zero
+    got = np.asarray(jax.jit(swiglu_experts)(layer, rows, sizes), np.float64)
+    want = _fp8_swiglu_float64(layer, np.asarray(rows[:10], np.float32), np.asarray(sizes))
+    np.testing.assert_allclose(got[:10], want, rtol=2.0 ** -7, atol=1e-3 * np.abs(want).max())
+    assert not got[10:].any()
+
+
+def test_fp8_stack_is_near_the_dequantized_stack():
+    """Within the rows' quantisation error of the dequantised params' stack; the pure-JAX baseline
+    takes FP8 params too (its experts are swiglu_experts: the same FP8 math)."""
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=256, max_tokens=8, dtype=BF16, align=2)
     params = fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(1), config, 2, 128, shared_ffn_size=128))
     assert fp8.is_quantized(params)
@@ -57,29 +92,35 @@ def test_fp8_stack_is_the_stack_of_dequantized_weights():
     run = jax.jit(jax_moe.moe_stack)
     got, _ = run(params, x, init_scratch(config))
     want, _ = run(_dequantized(params), x, init_scratch(config))
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    # The pure-JAX baseline takes FP8 params too (the same dequantised math).
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert 0 < np.abs(got - want).max() <= 0.05 * np.abs(want).max()
     from jax_moe.baseline import baseline_moe_stack
     base = jax.jit(lambda p, x: baseline_moe_stack(p, x, config))(params, x)
-    np.testing.assert_allclose(np.asarray(base, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
+    np.testing.assert_allclose(np.asarray(base, np.float32), got, atol=2e-2, rtol=2e-2)
 
 
 def test_fp8_params_are_checked():
     config = MoEConfig(num_experts=4, top_k=2, hidden_size=128, max_tokens=4, dtype=BF16)
-    params = fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(0), config, 1, 128))
+    params = fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(0), config, 1, 256))
     layer = jax.tree.map(lambda a: a[0], params)
     x = jnp.zeros((2, 128), BF16)
+    small = MoEConfig(num_experts=4, top_k=2, hidden_size=128, max_tokens=4, dtype=BF16)
+    narrow = jax.tree.map(lambda a: a[0], fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(0), small, 1, 64)))
     cases = [
         ({k: v for k, v in layer.items() if k != "down_scale_inv"}, "expected ('gate_up_scale_inv', "),
         ({**layer, "gate_up": layer["gate_up"].astype(BF16)}, "params['gate_up']: expected float8_e4m3fn"),
         ({**layer, "down_scale_inv": layer["down_scale_inv"][:, :, :0]}, "params['down_scale_inv']: expected float32"),
+        ({**layer, "down": jnp.swapaxes(layer["down"], 1, 2)}, "params['down']: expected shape (4, 128, 256)"),
+        (narrow, "FP8 experts need H and F multiples of 128 (whole scale blocks along K for the rows' "
+                 "quantisation), got H=128, F=64"),
     ]
     for bad, message in cases:
-        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[").replace(")", r"\)")):
             jax_moe.moe_layer(bad, x, init_scratch(config))
 
 
 def test_fp8_layer_differentiates_in_x_only():
+    """The rows' quantisation passes the gradient through: d x near the dequantised layer's."""
     config = MoEConfig(num_experts=4, top_k=2, hidden_size=128, max_tokens=4, dtype=BF16)
     params = fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(0), config, 1, 128))
     layer = jax.tree.map(lambda a: a[0], params)
@@ -87,141 +128,36 @@ def test_fp8_layer_differentiates_in_x_only():
     loss = lambda p, x: jnp.sum(jax_moe.moe_layer(p, x, init_scratch(config))[0].astype(jnp.float32) ** 2)
     d_params, d_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(layer, x)
     _, d_x_want = jax.jit(jax.grad(loss, argnums=(0, 1)))(_dequantized(layer), x)
-    np.testing.assert_array_equal(np.asarray(d_x, np.float32), np.asarray(d_x_want, np.float32))
-    assert np.abs(np.asarray(d_x, np.float32)).sum() > 0
+    d_x, d_x_want = np.asarray(d_x, np.float32), np.asarray(d_x_want, np.float32)
+    assert np.abs(d_x).sum() > 0 and np.abs(d_x - d_x_want).max() <= 0.1 * np.abs(d_x_want).max()
     for name in ("gate_up", "down", "gate_up_scale_inv", "down_scale_inv"):
         assert not np.asarray(d_params[name], np.float32).any(), name
     assert np.abs(np.asarray(d_params["router"], np.float32)).sum() > 0
 
 
+def _on(device_kind, fn, *args):
+    device = jax.devices(device_kind)[0]
+    return jax.jit(fn)(*jax.device_put(args, device))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [8, 512])
-def test_gpu_fp8_stack_matches_the_dequantized_stack(num_tokens):
-    """At 2 rows per expert the decode kernel reads the FP8 experts (float32 dequantised weights:
-    within bf16 rounding of the dequantised stack); at 64 per expert each layer dequantises its
-    experts for the bf16 grouped GEMMs: the same numbers exactly."""
+@pytest.mark.parametrize("num_tokens", [1, 8, 512])
+def test_gpu_fp8_stack_matches_the_cpu_fp8_stack(num_tokens):
+    """The FP8 grouped GEMM at every size (1 and 8 tokens: decode; 512: prefill) against the CPU's
+    math. The first projection's quantised rows are the same; its bf16 result may differ by
+    rounding, and a changed activation can move its 1 x 128 group's FP8 scale, so the bound is on
+    the whole output (2 % in norm) with a looser one per element."""
     config = MoEConfig(num_experts=16, top_k=4, hidden_size=256, max_tokens=num_tokens, dtype=BF16)
     params = fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(0), config, 2, 128, shared_ffn_size=128))
     x = jax.random.normal(jax.random.key(1), (num_tokens, 256)).astype(BF16)
-    run = jax.jit(jax_moe.moe_stack)
-    decode = num_tokens == 8
-    assert decode == gemm.fp8_decode_plan(config.live_row_bound(num_tokens), 16, None)[0]
-    assert decode == ("jax_moe_decode_matmul_fp8" in run.lower(params, x, init_scratch(config)).compile().as_text())
-    got, _ = run(params, x, init_scratch(config))
-    want, _ = run(_dequantized(params), x, init_scratch(config))
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    if decode:
-        np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
-    else:
-        np.testing.assert_array_equal(got, want)
-
-
-def test_fp8_decode_plan_reads_fp8_bytes_until_experts_expect_8_rows():
-    # DeepSeek-V3 (256 experts, top-8): the decode kernel through T = 128 (about 4 rows per owning
-    # expert), dequantise-and-GEMM from T = 256 (8.0 rows); rows per pass from T only while T <= 2.
-    assert gemm.fp8_decode_plan(8, 256, 1) == (True, 1)
-    assert gemm.fp8_decode_plan(16 * 8, 256, 16) == (True, None)
-    assert gemm.fp8_decode_plan(128 * 8, 256, 128)[0]
-    assert not gemm.fp8_decode_plan(256 * 8, 256, 256)[0]
-
-
-def test_fp8_forward_fallback_is_the_dequantized_product():
-    config = MoEConfig(num_experts=4, top_k=2, hidden_size=128, max_tokens=6, dtype=BF16)
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((6, 128)), BF16)
-    scratch = permute(x, jnp.asarray(rng.integers(0, 4, (6, 2)), jnp.int32), init_scratch(config))
-    q, scale_inv = fp8.quantize(jax.random.normal(jax.random.key(3), (4, 128, 256)) / 11)
-    offsets, rows = scratch.expert_offsets, scratch.permuted
-    sizes = scratch.group_sizes
-    dense = fp8.dequantize(q, scale_inv, BF16)
-    want = jax.lax.ragged_dot(rows, dense, sizes, preferred_element_type=jnp.float32).astype(BF16)
-    got = gemm.fp8_forward(rows, q, scale_inv, offsets, 12)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    gated = gemm.fp8_forward(rows, q, scale_inv, offsets, 12, gated=True)
-    np.testing.assert_array_equal(np.asarray(gated, np.float32), np.asarray(gemm.gated_silu(want, BF16), np.float32))
-
-
-# ---- the decode kernel on FP8 weights (GPU) -----------------------------------------------------
-
-def _check_fp8_kernel(scratch, num_local, k, n, num_rows=None, seed=4):
-    """The kernel on the scratch's groups, rows of width k (the permuted rows when k = H, else
-    random ones: the down projection's), against ragged_dot on the dequantised weights."""
-    num_rows = num_rows or scratch.permuted.shape[0]
-    rows = scratch.permuted if k == scratch.permuted.shape[1] else jax.random.normal(
-        jax.random.key(seed + 100), (scratch.permuted.shape[0], k)).astype(BF16)
-    q, scale_inv = jax.jit(fp8.quantize)(jax.random.normal(jax.random.key(seed), (num_local, k, n)) / np.sqrt(k))
-    dense = jax.jit(fp8.dequantize, static_argnums=2)(q, scale_inv, BF16)
-    sizes = jnp.diff(scratch.expert_offsets)
-    want = np.asarray(jax.jit(lambda r, w: jax.lax.ragged_dot(r[:num_rows], w, sizes,
-                                                              preferred_element_type=jnp.float32))(rows, dense))
-    for gated in (False, True):
-        got = jax.jit(lambda r, q, s, o: gemm.fp8_forward(r, q, s, o, num_rows, gated=gated))(
-            rows, q, scale_inv, scratch.expert_offsets)
-        expected = np.asarray(gemm.gated_silu(jnp.asarray(want, BF16), jnp.float32)) if gated else want
-        got = np.asarray(got, np.float32)
-        np.testing.assert_allclose(got, expected, atol=3e-2, rtol=3e-2)
-        assert_zero_past_groups(got, scratch.expert_offsets)
-
-
-FP8_SHAPES = [(name, t) for name in ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b") for t in (1, 2)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,num_tokens", FP8_SHAPES, ids=[f"{n}-T{t}" for n, t in FP8_SHAPES])
-def test_gpu_fp8_decode_kernel_model_shapes(name, num_tokens):
-    m = MODELS[name]
-    config = MoEConfig(num_experts=m.num_experts, top_k=m.top_k, hidden_size=m.hidden_size, max_tokens=num_tokens,
-                       dtype=BF16)
-    assert gemm.supports_fp8_decode(m.hidden_size, m.ffn_size)
-    scratch = routed_scratch(config, num_tokens)
-    _check_fp8_kernel(scratch, m.num_experts, m.hidden_size, 2 * m.ffn_size)
-    _check_fp8_kernel(scratch, m.num_experts, m.ffn_size, m.hidden_size, seed=5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", list(GROUPED_GEMM_EDGE_CASES))
-def test_gpu_fp8_decode_kernel_edge_cases(case):
-    kwargs, num_tokens, ids = grouped_gemm_edge_case(case)
-    config = MoEConfig(dtype=BF16, **kwargs)
-    scratch = routed_scratch(config, num_tokens, ids)
-    _check_fp8_kernel(scratch, config.num_local_experts, 256, 512)
-    _check_fp8_kernel(scratch, config.num_local_experts, 256, 512, num_rows=config.live_row_bound(num_tokens))
-
-
-@pytest.mark.gpu
-def test_gpu_fp8_layer_at_decode_matches_dequantized_layer_and_differentiates_in_x():
-    config = MoEConfig(num_experts=16, top_k=4, hidden_size=256, max_tokens=2, dtype=BF16)
-    params = fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(0), config, 1, 128, shared_ffn_size=128))
-    layer = jax.tree.map(lambda a: a[0], params)
-    x = jax.random.normal(jax.random.key(1), (2, 256)).astype(BF16)
-    run = jax.jit(jax_moe.moe_layer)
-    assert "jax_moe_decode_matmul_fp8" in run.lower(layer, x, init_scratch(config)).compile().as_text()
-    got, _ = run(layer, x, init_scratch(config))
-    want, _ = run(_dequantized(layer), x, init_scratch(config))
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
-    loss = lambda p, x: jnp.sum(jax_moe.moe_layer(p, x, init_scratch(config))[0].astype(jnp.float32) ** 2)
-    d_x = jax.jit(jax.grad(loss, argnums=1))(layer, x)
-    d_x_want = jax.jit(jax.grad(loss, argnums=1))(_dequantized(layer), x)
-    np.testing.assert_allclose(np.asarray(d_x, np.float32), np.asarray(d_x_want, np.float32), atol=0.1, rtol=5e-2)
-
-
-@pytest.mark.gpu
-def test_gpu_fp8_decode_kernel_reads_every_e4m3_value_exactly():
-    """One-hot rows pick k rows of weights that hold every finite e4m3 bit pattern (subnormals and
-    both zeros included) under power-of-two scales: the kernel's output is the dequantised row,
-    exactly (each sum has one nonzero term, and e4m3 times a power of two is a bf16)."""
-    k, n, num_rows = 128, 256, 8
-    bits = (np.arange(k)[:, None] * 7 + np.arange(n)[None, :]) % 256
-    bits[(bits & 0x7f) == 0x7f] = 0  # e4m3fn's two NaNs
-    q = jax.lax.bitcast_convert_type(jnp.asarray(bits[None], jnp.uint8), jnp.float8_e4m3fn)
-    scale_inv = jnp.asarray([[[0.5, 2.0 ** -7]]], jnp.float32)
-    picked = np.array([0, 3, 17, 40, 64, 90, 101, 127])
-    rows = jnp.asarray(np.eye(k)[picked], BF16)
-    offsets = jnp.asarray([0, num_rows], jnp.int32)
-    got = jax.jit(lambda r, q, s, o: gemm.fp8_forward(r, q, s, o, num_rows))(rows, q, scale_inv, offsets)
-    want = np.asarray(fp8.dequantize(q, scale_inv))[0][picked]
-    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
-    assert np.unique(bits[picked], axis=None).size == 254  # every finite pattern was read
+    run = lambda p, x, s: jax_moe.moe_stack(p, x, s)[0]
+    gpu = jax.devices("gpu")[0]
+    hlo = jax.jit(run).lower(*jax.device_put((params, x, init_scratch(config)), gpu)).compile().as_text()
+    assert "jax_moe_fp8_grouped_matmul" in hlo  # (the bf16 shared expert may take the decode kernel)
+    got = np.asarray(_on("gpu", run, params, x, init_scratch(config)), np.float32)
+    want = np.asarray(_on("cpu", run, params, x, init_scratch(config)), np.float32)
+    assert np.linalg.norm(got - want) <= 0.02 * np.linalg.norm(want)
+    assert np.abs(got - want).max() <= 0.1 * np.abs(want).max()
 
 
 def test_quantize_rows_round_trip_within_e4m3_rounding():
@@ -252,7 +188,7 @@ def test_quantize_rows_is_ieee_float32_step_by_step():
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
 
 
-def _prefill_case(seed, groups, k, n, sizes):
+def _fp8_case(seed, groups, k, n, sizes):
     key = jax.random.key(seed)
     w = jax.random.normal(key, (groups, n, k)) / np.sqrt(k)
     q, scale = fp8.quantize(w)  # [El, N, K] with [El, N/128, K/128] scales: the checkpoint's layout
@@ -262,34 +198,34 @@ def _prefill_case(seed, groups, k, n, sizes):
     return rows, q, scale, offsets
 
 
-def _prefill_reference(q_rows, row_scale, q, scale, offsets):
+def _fp8_reference(q_rows, row_scale, q, scale, offsets):
     """float64 (value, magnitude) of the grouped product of dequantised operands: [R, N] each, the
     magnitude sum_k |a_k w_k| bounding accumulation error."""
     a = np.asarray(fp8.dequantize_rows(q_rows, row_scale), np.float64)
-    w = np.asarray(fp8.dequantize(q, scale), np.float64)  # [El, N, K]
-    o = np.asarray(offsets)
-    value, magnitude = np.zeros((a.shape[0], w.shape[1])), np.zeros((a.shape[0], w.shape[1]))
-    for g in range(w.shape[0]):
-        value[o[g]:o[g + 1]] = a[o[g]:o[g + 1]] @ w[g].T
-        magnitude[o[g]:o[g + 1]] = np.abs(a[o[g]:o[g + 1]]) @ np.abs(w[g]).T
+    o = np.clip(np.asarray(offsets), 0, a.shape[0])
+    value, magnitude = np.zeros((a.shape[0], q.shape[1])), np.zeros((a.shape[0], q.shape[1]))
+    for g in np.flatnonzero(o[1:] > o[:-1]):  # one expert at a time: DeepSeek-V3's are 7.5 G weights
+        w = np.asarray(fp8.dequantize(q[g], scale[g]), np.float64)  # [N, K]
+        value[o[g]:o[g + 1]] = a[o[g]:o[g + 1]] @ w.T
+        magnitude[o[g]:o[g + 1]] = np.abs(a[o[g]:o[g + 1]]) @ np.abs(w).T
     return value, magnitude
 
 
-def test_fp8_prefill_forward_fallback_is_the_dequantized_product():
-    rows, q, scale, offsets = _prefill_case(0, 3, 256, 384, [5, 0, 7])
+def test_fp8_forward_fallback_is_the_dequantized_product():
+    rows, q, scale, offsets = _fp8_case(0, 3, 256, 384, [5, 0, 7])
     num_rows = 14  # two rows past the groups: zero
-    out, _ = gemm.fp8_prefill_forward(rows, q, scale, offsets, jnp.zeros((1,), jnp.int32), num_rows)
-    want, magnitude = _prefill_reference(*fp8.quantize_rows(rows[:num_rows]), q, scale, offsets)
+    out, _ = gemm.fp8_forward(rows, q, scale, offsets, jnp.zeros((1,), jnp.int32), num_rows)
+    want, magnitude = _fp8_reference(*fp8.quantize_rows(rows[:num_rows]), q, scale, offsets)
     got = np.asarray(out, np.float64)
     assert (np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + 2.0 ** -20 * magnitude).all()
     assert not got[12:].any()
 
 
-def test_fp8_prefill_forward_takes_the_fallback_for_shapes_the_kernel_does_not():
+def test_fp8_forward_takes_the_fallback_for_shapes_the_kernel_does_not():
     """N not a multiple of 128: the dequantising fallback, on any device."""
-    rows, q, scale, offsets = _prefill_case(2, 2, 256, 200, [3, 4])
-    out, _ = gemm.fp8_prefill_forward(rows, q, scale, offsets, gemm.fp8_workspace(2), 7)
-    want, _ = _prefill_reference(*fp8.quantize_rows(rows[:7]), q, scale, offsets)
+    rows, q, scale, offsets = _fp8_case(2, 2, 256, 200, [3, 4])
+    out, _ = gemm.fp8_forward(rows, q, scale, offsets, gemm.fp8_workspace(2), 7)
+    want, _ = _fp8_reference(*fp8.quantize_rows(rows[:7]), q, scale, offsets)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2.0 ** -8, atol=1e-6)
 
 
@@ -302,30 +238,30 @@ def test_fp8_prefill_forward_takes_the_fallback_for_shapes_the_kernel_does_not()
     ([130, 0, 126, 8], 1024, 640),  # K over 8 scale blocks, N not a multiple of the 128 x 128 tile pair
 ])
 @pytest.mark.parametrize("tile_rows", gemm.FP8_TILE_ROWS)
-def test_gpu_fp8_prefill_forward_matches_the_dequantized_product(sizes, k, n, tile_rows):
+def test_gpu_fp8_forward_matches_the_dequantized_product(sizes, k, n, tile_rows):
     """The CUTLASS FP8 blockwise grouped GEMM: its quantised rows are fp8.quantize_rows' bytes, and
     its result is the float64 product of the dequantised operands within bf16 rounding of the
     result (2^-8 relative) plus the FP8 tensor cores' accumulation (2^-10 of sum |a w|: their
     per-128 partial sums keep fewer bits than float32); rows past the groups are zero."""
     groups = len(sizes)
-    rows, q, scale, offsets = _prefill_case(1, groups, k, n, sizes)
+    rows, q, scale, offsets = _fp8_case(1, groups, k, n, sizes)
     num_rows = sum(sizes) + 3
     workspace = gemm.fp8_workspace(groups)
     gpu = jax.devices("gpu")[0]
     args = jax.device_put((rows, q, scale, offsets, workspace), gpu)
     out, _, q_rows, row_scale = jax.jit(lambda *a: gemm._fp8_grouped_matmul_call(*a, num_rows, tile_rows))(*args)
-    want_q, want_scale = jax.jit(fp8.quantize_rows, device=jax.devices("cpu")[0])(rows[:num_rows])
+    want_q, want_scale = jax.jit(fp8.quantize_rows)(jax.device_put(rows[:num_rows], jax.devices("cpu")[0]))
     np.testing.assert_array_equal(np.asarray(row_scale), np.asarray(want_scale))
     np.testing.assert_array_equal(np.asarray(q_rows).view(np.uint8), np.asarray(want_q).view(np.uint8))
-    want, magnitude = _prefill_reference(want_q, want_scale, q, scale, offsets)
+    want, magnitude = _fp8_reference(want_q, want_scale, q, scale, offsets)
     got = np.asarray(out, np.float64)
     error = np.abs(got - want)
     assert (error <= 2.0 ** -8 * np.abs(want) + 2.0 ** -10 * magnitude).all(), error.max()
     assert not got[sum(sizes):].any()
-    public, _ = jax.jit(lambda *a: gemm.fp8_prefill_forward(*a, num_rows, tile_rows))(*args)
+    public, _ = jax.jit(lambda *a: gemm.fp8_forward(*a, num_rows, tile_rows))(*args)
     np.testing.assert_array_equal(np.asarray(public, np.float32), np.asarray(out, np.float32))
     other = 192 - tile_rows  # the other tile: the same math, each output one float32 sum of the same products
-    np.testing.assert_allclose(np.asarray(jax.jit(lambda *a: gemm.fp8_prefill_forward(*a, num_rows, other))(*args)[0],
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda *a: gemm.fp8_forward(*a, num_rows, other))(*args)[0],
                                           np.float64), got, rtol=2.0 ** -7, atol=2.0 ** -10 * magnitude.max())
 
 
@@ -336,13 +272,15 @@ def test_gpu_fp8_prefill_forward_matches_the_dequantized_product(sizes, k, n, ti
     (lambda a: a | {"offsets": a["offsets"][:2]}, r"offsets: expected int32 \[3\]"),
     (lambda a: a | {"num_rows": 99}, "num_rows: expected 0..12"),
     (lambda a: a | {"tile_rows": 96}, r"tile_rows: expected one of \(64, 128\)"),
+    (lambda a: a | {"weights_nk": a["weights_nk"][..., :200], "rows": a["rows"][:, :200]},
+     "weights_nk: expected K a multiple of 128"),
 ])
-def test_fp8_prefill_forward_rejects_bad_operands(change, match):
-    rows, q, scale, offsets = _prefill_case(0, 2, 256, 256, [3, 4])
+def test_fp8_forward_rejects_bad_operands(change, match):
+    rows, q, scale, offsets = _fp8_case(0, 2, 256, 256, [3, 4])
     args = change(dict(rows=rows, weights_nk=q, scale_nk=scale, offsets=offsets, workspace=gemm.fp8_workspace(2),
                        num_rows=7))
     with pytest.raises(ValueError, match=match):
-        gemm.fp8_prefill_forward(**args)
+        gemm.fp8_forward(**args)
 
 
 def test_fp8_tile_rows_is_the_small_tile_up_to_the_crossover():
@@ -350,3 +288,78 @@ def test_fp8_tile_rows_is_the_small_tile_up_to_the_crossover():
     assert gemm.fp8_tile_rows(per_group * 256, 256) == 64
     assert gemm.fp8_tile_rows(per_group * 256 + 1, 256) == 128
     assert gemm.fp8_tile_rows(1, 1) == 64
+
+
+def _check_fp8_forward(scratch, num_local, k, n, num_rows=None, seed=4):
+    """fp8_forward on the scratch's groups and rows of width k (the permuted rows when k = H, else
+    random ones: the down projection's) against the float64 product of the quantised operands."""
+    num_rows = num_rows or scratch.permuted.shape[0]
+    rows = scratch.permuted if k == scratch.permuted.shape[1] else jax.random.normal(
+        jax.random.key(seed + 100), (scratch.permuted.shape[0], k)).astype(BF16)
+    q, scale = jax.jit(fp8.quantize)(jax.random.normal(jax.random.key(seed), (num_local, n, k)) / np.sqrt(k))
+    workspace = scratch.workspace  # the scratch's workspace has room for the FP8 GEMM's arguments
+    got, _ = jax.jit(lambda *a: gemm.fp8_forward(*a, num_rows))(rows, q, scale, scratch.expert_offsets, workspace)
+    want_q, want_scale = jax.jit(fp8.quantize_rows)(jax.device_put(rows[:num_rows], jax.devices("cpu")[0]))
+    want, magnitude = _fp8_reference(want_q, want_scale, q, scale, scratch.expert_offsets)
+    got = np.asarray(got, np.float64)
+    assert (np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + 2.0 ** -10 * magnitude).all()
+    assert_zero_past_groups(got, scratch.expert_offsets)
+
+
+FP8_SHAPES = [(name, t) for name in ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b") for t in (1, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,num_tokens", FP8_SHAPES, ids=[f"{n}-T{t}" for n, t in FP8_SHAPES])
+def test_gpu_fp8_forward_model_shapes_at_decode(name, num_tokens):
+    m = MODELS[name]
+    config = MoEConfig(num_experts=m.num_experts, top_k=m.top_k, hidden_size=m.hidden_size, max_tokens=num_tokens,
+                       dtype=BF16)
+    assert gemm.supports_fp8(m.hidden_size, m.ffn_size)
+    scratch = routed_scratch(config, num_tokens)
+    _check_fp8_forward(scratch, m.num_experts, m.hidden_size, 2 * m.ffn_size)
+    _check_fp8_forward(scratch, m.num_experts, m.ffn_size, m.hidden_size, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GROUPED_GEMM_EDGE_CASES))
+def test_gpu_fp8_forward_edge_cases(case):
+    kwargs, num_tokens, ids = grouped_gemm_edge_case(case)
+    config = MoEConfig(dtype=BF16, **kwargs)
+    scratch = routed_scratch(config, num_tokens, ids)
+    _check_fp8_forward(scratch, config.num_local_experts, 256, 512)
+    _check_fp8_forward(scratch, config.num_local_experts, 256, 512, num_rows=config.live_row_bound(num_tokens))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_layer_differentiates_in_x_like_the_cpu():
+    config = MoEConfig(num_experts=16, top_k=4, hidden_size=256, max_tokens=2, dtype=BF16)
+    params = fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(0), config, 1, 128, shared_ffn_size=128))
+    layer = jax.tree.map(lambda a: a[0], params)
+    x = jax.random.normal(jax.random.key(1), (2, 256)).astype(BF16)
+    loss = lambda p, x: jnp.sum(jax_moe.moe_layer(p, x, init_scratch(config))[0].astype(jnp.float32) ** 2)
+    d_x = np.asarray(_on("gpu", jax.grad(loss, argnums=1), layer, x), np.float32)
+    d_x_cpu = np.asarray(_on("cpu", jax.grad(loss, argnums=1), layer, x), np.float32)
+    assert np.abs(d_x).sum() > 0
+    np.testing.assert_allclose(d_x, d_x_cpu, atol=0.05 * np.abs(d_x_cpu).max(), rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_forward_reads_every_e4m3_value():
+    """One-hot rows pick columns of weights [N, K] that hold every finite e4m3 bit pattern
+    (subnormals and both zeros included) under power-of-two scales: the output is the dequantised
+    column, exactly."""
+    k, n, num_rows = 128, 256, 8
+    bits = (np.arange(n)[:, None] * 7 + np.arange(k)[None, :]) % 256
+    bits[(bits & 0x7f) == 0x7f] = 0  # e4m3fn's two NaNs
+    q = jax.lax.bitcast_convert_type(jnp.asarray(bits[None], jnp.uint8), jnp.float8_e4m3fn)
+    scale = jnp.asarray([[[0.5], [2.0 ** -7]]], jnp.float32)  # [1, N/128, K/128]
+    picked = np.array([0, 3, 17, 40, 64, 90, 101, 127])
+    rows = jnp.asarray(np.eye(k)[picked], BF16)
+    offsets = jnp.asarray([0, num_rows], jnp.int32)
+    got, _ = jax.jit(lambda *a: gemm.fp8_forward(*a, num_rows))(rows, q, scale, offsets, gemm.fp8_workspace(1))
+    # Each output is q_w * 448 * fl(1/448) * scale_w in float32 roundings: within 2^-22 of the
+    # dequantised weight, which bf16 holds exactly (e4m3 times a power of two), so it rounds to it.
+    want = np.asarray(fp8.dequantize(q, scale))[0][:, picked].T
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+    assert np.unique(bits[:, picked], axis=None).size == 254  # every finite pattern was read

@@ -105,8 +105,8 @@ def test_gradients_match_ragged_dot():
 def test_workspace_is_reserved_only_for_gemm_dtypes():
     bf16 = MoEConfig(num_experts=256, top_k=8, hidden_size=64, max_tokens=4, dtype=BF16)
     f32 = MoEConfig(num_experts=256, top_k=8, hidden_size=64, max_tokens=4, dtype=jnp.float32)
-    need = jax_moe._native.grouped_matmul_workspace_bytes(256)
-    assert init_scratch(bf16).workspace.nbytes >= need
+    need = max(jax_moe._native.grouped_matmul_workspace_bytes(256), jax_moe._native.fp8_grouped_matmul_workspace_bytes(256))
+    assert init_scratch(bf16).workspace.nbytes >= need  # room for the bf16 and the FP8 GEMM's arguments
     # Routing counters, then the words kept for the decode router's arrival counter.
     assert init_scratch(f32).workspace.nbytes == (256 * 2 + jax_moe.scratch.COUNTER_WORDS) * 4
     if jax_moe._native.HAS_CUDA:

@@ -197,28 +197,31 @@ def test_fp8_checkpoint_loads_without_dequantising(tmp_path):
     config, params = hf.load_moe(tmp_path / "fp8", max_tokens=4)
     assert config.dtype == jnp.bfloat16 and config.scoring == "sigmoid"
     assert params["gate_up"].dtype == jnp.float8_e4m3fn and params["down"].dtype == jnp.float8_e4m3fn
-    assert params["gate_up_scale_inv"].shape == (1, 4, 2, 2) and params["down_scale_inv"].shape == (1, 4, 1, 2)
+    assert params["gate_up"].shape == (1, 4, 256, 256) and params["down"].shape == (1, 4, 256, 128)
+    assert params["gate_up_scale_inv"].shape == (1, 4, 2, 2) and params["down_scale_inv"].shape == (1, 4, 2, 1)
     expert = "model.layers.0.mlp.experts.2."
-    # Transposed to [in, out], gate then up, each with its own scale grid.
-    np.testing.assert_array_equal(np.asarray(params["gate_up"][0, 2, :, 128:], np.float32),
-                                  tensors[expert + "up_proj.weight"].T.astype(np.float32))
-    np.testing.assert_array_equal(np.asarray(params["gate_up_scale_inv"][0, 2, :, 1]),
+    # As stored, [out, in]: gate rows then up rows, each with its own scale grid.
+    np.testing.assert_array_equal(np.asarray(params["gate_up"][0, 2, 128:], np.float32),
+                                  tensors[expert + "up_proj.weight"].astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(params["gate_up_scale_inv"][0, 2, 1]),
                                   tensors[expert + "up_proj.weight_scale_inv"][0])
     np.testing.assert_array_equal(np.asarray(params["down_scale_inv"][0, 2]),
-                                  tensors[expert + "down_proj.weight_scale_inv"].T)
-    # The same checkpoint dequantised on load gives the same layer, bit for bit (both dequantise
-    # the same products to bf16), and the shared expert is dequantised either way.
+                                  tensors[expert + "down_proj.weight_scale_inv"])
+    # The same checkpoint dequantised on load holds the same weights (bf16 rounding of the same
+    # products, in the bf16 experts' [in, out] layout), and the shared expert is dequantised either way.
     _, dense = hf.load_moe(tmp_path / "fp8", max_tokens=4, experts_fp8=False)
     assert dense["gate_up"].dtype == jnp.bfloat16 and "gate_up_scale_inv" not in dense
     np.testing.assert_array_equal(np.asarray(dense["shared_gate_up"], np.float32),
                                   np.asarray(params["shared_gate_up"], np.float32))
     np.testing.assert_array_equal(np.asarray(dense["gate_up"], np.float32),
-                                  np.asarray(fp8.dequantize(params["gate_up"], params["gate_up_scale_inv"],
-                                                            jnp.bfloat16), np.float32))
+                                  np.asarray(fp8.expert_weights(params, jnp.bfloat16)[0], np.float32))
+    # The FP8 layer also quantises the rows per 1 x 128 group (DeepSeek-V3's FP8 inference): within
+    # that error of the dequantised layer (the exact FP8 math is test_fp8's).
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 256)), jnp.bfloat16)
     got, _ = moe_stack(params, x, init_scratch(config))
     want, _ = moe_stack(dense, x, init_scratch(config))
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max() and np.abs(got - want).max() > 0
 
 
 def test_bf16_checkpoint_quantised_on_request():

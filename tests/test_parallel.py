@@ -154,9 +154,10 @@ def test_one_device_mesh_equals_moe_stack(explicit):
 def test_fp8_params_shard_with_their_scales():
     """FP8 experts' scales travel with their experts (placement and sharding), so EP equals moe_stack."""
     from jax_moe import fp8
-    config = MoEConfig(num_experts=E, top_k=K, hidden_size=H, max_tokens=T, dtype=jnp.float32)
-    params = fp8.quantize_params(init_moe_params(jax.random.key(0), config, L, F))
-    x = jax.random.normal(jax.random.key(1), (T, H), jnp.float32)
+    hidden, ffn = 128, 128  # FP8 experts: whole 128-wide scale blocks along K
+    config = MoEConfig(num_experts=E, top_k=K, hidden_size=hidden, max_tokens=T, dtype=jnp.float32)
+    params = fp8.quantize_params(init_moe_params(jax.random.key(0), config, L, ffn))
+    x = jax.random.normal(jax.random.key(1), (T, hidden), jnp.float32)
     expected, _ = jax.jit(moe_stack)(params, x, init_scratch(config))
     mesh = _one_device_mesh(False)
     placement = (3, 1, 0, 2, 7, 6, 5, 4)

@@ -6,8 +6,9 @@ scratch donated and threaded step to step, routing by each layer's own router), 
 - ``jax_moe/cutlass``: the same step with the decode kernel switched off (CUTLASS grouped GEMMs:
   the path before it), so the crossover is measured in the same run;
 - ``jax_moe/fp8``: the same step on FP8 experts (``jax_moe.fp8``: e4m3 weights, a float32 scale
-  per 128 x 128 block; the same draws, quantised), where H and F are multiples of 128, against its
-  own roofline (the experts' FP8 bytes and scales);
+  per 128 x 128 block; the same draws, quantised; both projections on the FP8 grouped GEMM, the
+  rows quantised per 1 x 128 group), where H and F are multiples of 128, against its own roofline
+  (the experts' FP8 bytes and scales);
 - the PyTorch + Hugging Face peer: L transformers ``Qwen3MoeSparseMoeBlock``s (torch grouped_mm)
   in the same residual stack, the forward captured in one CUDA graph, its own process.
 

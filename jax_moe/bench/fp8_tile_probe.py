@@ -30,7 +30,7 @@ def measure(name: str, tokens: int) -> dict:
     res = {"rows_per_group": round(tokens * config.top_k / El, 1), "picked": gemm.fp8_tile_rows(live, El)}
     for tile in gemm.FP8_TILE_ROWS:
         def eight(q, q_scale, s, ws, tile=tile):
-            out, ws = gemm.fp8_prefill_forward(s.permuted, q, q_scale, s.expert_offsets, ws, live, tile)
+            out, ws = gemm.fp8_forward(s.permuted, q, q_scale, s.expert_offsets, ws, live, tile)
             return out, (q, q_scale, s, ws)
         operands = (q, q_scale, scratch, gemm.fp8_workspace(El))
         res[f"fp8_{tile}"] = round(gemm_suite._timed(eight, operands)["s"] * 1e6, 1)

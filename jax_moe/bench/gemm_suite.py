@@ -35,7 +35,7 @@ DECODE_CONTENDER_MAX_ROWS_PER_EXPERT = 64  # the decode kernel is also timed up 
 # ragged_dot is skipped where it takes seconds per call (issue 8 measured 157 ms for DeepSeek-V3 at
 # 8192 rows): the suite would spend its device time there.
 RAGGED_DOT_MAX_ROWS_X_EXPERTS = 16384 * 256
-FP8_MIN_TOKENS = 1024  # the FP8 prefill GEMM (gemm.fp8_prefill_forward) is timed from here up
+FP8_MIN_TOKENS = 1024  # the FP8 prefill GEMM (gemm.fp8_forward) is timed from here up
 MGPU_MAX_EXPERTS = 128  # its grid has one step per group and row block: compile time grows with E
 MGPU_CONFIGS = ({"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
                 {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 2})
@@ -49,7 +49,7 @@ METHOD = ("Each op runs N times inside one jitted fori_loop, its operands in the
 NOTES = [
     "GEMM: the fused gate/up projection of one layer, [T*k, H] x [El, H, 2F], bf16 in and out, f32 "
     "accumulation; rows routed uniformly at random.",
-    "jax_moe FP8 (T >= %d): gemm.fp8_prefill_forward, the same GEMM on float8_e4m3fn experts [El, 2F, H] "
+    "jax_moe FP8 (T >= %d): gemm.fp8_forward, the same GEMM on float8_e4m3fn experts [El, 2F, H] "
     "with 128 x 128 block scales, the rows quantised per 1 x 128 group inside the call (included in the time); "
     "its ceiling is twice the dense bf16 jnp.dot's rate (Hopper's FP8 tensor cores run at twice bf16's)." % FP8_MIN_TOKENS,
     "weight GB/s: bytes of the experts that own at least one row / time; copy: jax_moe_bench_copy "
@@ -140,7 +140,7 @@ def measure_gemm(model: ModelShape, tokens: int, clock, notes) -> list[dict]:
         q_scale = jnp.full((config.num_local_experts, N // fp8.BLOCK, H // fp8.BLOCK), 1 / (64 * H ** 0.5), jnp.float32)
 
         def ours_fp8(q, q_scale, s, ws):
-            out, ws = gemm.fp8_prefill_forward(s.permuted, q, q_scale, s.expert_offsets, ws, live)
+            out, ws = gemm.fp8_forward(s.permuted, q, q_scale, s.expert_offsets, ws, live)
             return out, (q, q_scale, s, ws)
         impls["jax_moe/fp8"] = (ours_fp8, (q, q_scale, scratch, gemm.fp8_workspace(config.num_local_experts)))
     if tokens * config.top_k * config.num_experts > RAGGED_DOT_MAX_ROWS_X_EXPERTS:
@@ -195,6 +195,8 @@ def measure_layer(model: ModelShape, tokens: int, clock) -> list[dict]:
         return fn
 
     impls = {"jax_moe": (ours, (layer_params, x, scratch)), "baseline": (base, (layer_params, x))}
+    if tokens >= FP8_MIN_TOKENS and model.hidden_size % fp8.BLOCK == 0 and model.ffn_size % fp8.BLOCK == 0:
+        impls["jax_moe/fp8"] = (ours, (fp8.quantize_params(layer_params), x, scratch))  # the same draws, quantised
     if tokens in GRAD_TOKENS and config.num_experts <= GRAD_MAX_EXPERTS:
         impls["jax_moe/fwd+bwd"] = (with_grad(ours), (layer_params, x, scratch))
         impls["baseline/fwd+bwd"] = (with_grad(base), (layer_params, x))
@@ -275,11 +277,14 @@ def table(rows: list[dict]) -> str:
             us = lambda r: f"{r['us']:.0f}" if "us" in r else "–"
             speedup = f"{base['us'] / ours['us']:.1f}x" if "us" in ours and "us" in base else "–"
             line += [us(ours), us(base), speedup]
+        eight = by.get("jax_moe/fp8", {})
+        line += [us(eight), f"{by['jax_moe']['us'] / eight['us']:.2f}x" if "us" in eight and "us" in by.get("jax_moe", {})
+                 else "–"]
         lines.append(line)
     if lines:
         text += "\n\nWhole MoE layer, µs:\n\n" + md_table(
             ["model", "T", "jax_moe", "pure JAX + ragged_dot", "speed-up",
-             "jax_moe fwd+bwd", "pure JAX fwd+bwd", "speed-up fwd+bwd"], lines)
+             "jax_moe fwd+bwd", "pure JAX fwd+bwd", "speed-up fwd+bwd", "jax_moe FP8", "FP8 vs bf16"], lines)
     return text
 
 
