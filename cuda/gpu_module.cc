@@ -35,6 +35,6 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
         "Workspace bytes the grouped GEMM needs for num_groups experts (sized for any Hopper GPU).");
   m.def("fp8_grouped_matmul_workspace_bytes", &jax_moe::Fp8GroupedGemmWorkspaceBytes, pybind11::arg("num_groups"),
         "Workspace bytes the FP8 grouped GEMM needs for num_groups experts.");
-  m.def("decode_route_slices", &jax_moe::DecodeRouteSlices, pybind11::arg("hidden"), pybind11::arg("num_experts"),
+  m.def("decode_route_slices", &jax_moe::DecodeRouteSlices, pybind11::arg("hidden"),
         "Slices of H the decode router's reduction is split into (the leading axis of its partial sums).");
 }

@@ -319,7 +319,7 @@ ffi::Error DecodeRouteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   const int64_t pairs = args.num_tokens * args.num_experts;
   if (static_cast<int64_t>(logits->element_count()) != pairs ||
       static_cast<int64_t>(topk_ids->element_count()) != args.num_tokens * args.top_k ||
-      static_cast<int64_t>(partials->element_count()) != DecodeRouteSlices(args.hidden, args.num_experts) * pairs ||
+      static_cast<int64_t>(partials->element_count()) != DecodeRouteSlices(args.hidden) * pairs ||
       (has_bias && static_cast<int64_t>(bias.element_count()) != args.num_experts) || workspace->element_count() < 1)
     return InvalidArgument("decode_route: expected logits [T, E], ids [T, k], partials [slices, T, E], bias [E], "
                            "a workspace of one word or more");

@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a,
 
 }  // namespace
 
-int64_t DecodeRouteSlices(int64_t hidden, int64_t) {
+int64_t DecodeRouteSlices(int64_t hidden) {
   // More slices would spread the router over more SMs (DeepSeek-V3's 3.7 MB over 32 blocks of 115
   // KB here) but lengthen the last block's sums.
   return std::clamp<int64_t>((hidden + kBlockRows - 1) / kBlockRows, 1, kMaxSlices);
@@ -315,7 +315,7 @@ cudaError_t LaunchDecodeRoute(const DecodeRouteArgs& a, cudaStream_t stream) {
       a.topk_weights == nullptr || a.topk_ids == nullptr || a.counter == nullptr)
     return cudaErrorInvalidValue;
   const int64_t tiles = (a.num_experts + kTileExperts - 1) / kTileExperts;
-  const int64_t slices = DecodeRouteSlices(a.hidden, a.num_experts);
+  const int64_t slices = DecodeRouteSlices(a.hidden);
   // Slices of whole block steps: every lane's 8 rows lie inside H.
   const int64_t slice_rows = ((a.hidden + kBlockRows - 1) / kBlockRows + slices - 1) / slices * kBlockRows;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(slices),

@@ -25,7 +25,7 @@ struct DecodeRouteArgs {
   const void* x;               // [T, H] bf16 (the normalised tokens)
   const void* router;          // [H, E] bf16
   const float* bias;           // [E], or null
-  float* partials;             // [DecodeRouteSlices(H, E), T, E] per-slice sums (scratch of the call)
+  float* partials;             // [DecodeRouteSlices(H), T, E] per-slice sums (scratch of the call)
   float* logits;               // [T, E] out
   float* topk_weights;         // [T, k] out
   int32_t* topk_ids;           // [T, k] out, global expert ids, best first
@@ -37,7 +37,7 @@ struct DecodeRouteArgs {
 };
 
 // Slices of H that the router's reduction is split into (rows of `partials`).
-int64_t DecodeRouteSlices(int64_t hidden, int64_t num_experts);
+int64_t DecodeRouteSlices(int64_t hidden);
 // Whether the sizes fit the kernel: 1 <= T <= 16, 8 <= E <= 512, T * E <= 4096, H and E multiples of 8,
 // 1 <= k <= min(E, 32), groups dividing E (two experts or more each), 1 <= topk_group <= n_group <= 32.
 bool DecodeRouteFits(int64_t num_tokens, int64_t hidden, int64_t num_experts, int64_t top_k, int64_t n_group,

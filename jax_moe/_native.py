@@ -49,9 +49,9 @@ def fp8_grouped_matmul_workspace_bytes(num_groups: int) -> int:
     return 0 if _CUDA_MODULE is None else int(_CUDA_MODULE.fp8_grouped_matmul_workspace_bytes(num_groups))
 
 
-def decode_route_slices(hidden: int, num_experts: int) -> int:
+def decode_route_slices(hidden: int) -> int:
     """Slices of H the CUDA decode router sums separately (its partial sums' leading axis)."""
-    return int(_CUDA_MODULE.decode_route_slices(hidden, num_experts))
+    return int(_CUDA_MODULE.decode_route_slices(hidden))
 
 
 _warned_gpu_fallback = False

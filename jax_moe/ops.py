@@ -262,7 +262,7 @@ def route_decode(router: jax.Array, x: jax.Array, scratch: MoEScratch, bias: jax
             _native.DECODE_ROUTE_TARGET,
             (jax.ShapeDtypeStruct((num_tokens, experts), f32), jax.ShapeDtypeStruct((num_tokens, config.top_k), f32),
              jax.ShapeDtypeStruct((num_tokens, config.top_k), jnp.int32),
-             jax.ShapeDtypeStruct((_native.decode_route_slices(hidden, experts), num_tokens, experts), f32),
+             jax.ShapeDtypeStruct((_native.decode_route_slices(hidden), num_tokens, experts), f32),
              jax.ShapeDtypeStruct(workspace.shape, workspace.dtype)),
             input_output_aliases={3: 4}, vmap_method=_VMAP_METHOD)
         logits, weights, ids, _, workspace = fence_results(call(

@@ -283,7 +283,7 @@ def test_route_decode_elsewhere_is_route_logits(monkeypatch):
     for has_cuda in (False, True):
         monkeypatch.setattr(jax_moe._native, "HAS_CUDA", has_cuda)
         if has_cuda:
-            monkeypatch.setattr(jax_moe._native, "decode_route_slices", lambda hidden, experts: 1)
+            monkeypatch.setattr(jax_moe._native, "decode_route_slices", lambda hidden: 1)
         config = MoEConfig(num_experts=16, top_k=4, hidden_size=64, max_tokens=3, dtype=jnp.bfloat16, **DEEPSEEK_LIKE)
         rng = np.random.default_rng(3)
         router = jnp.asarray(rng.standard_normal((64, 16)) / 8, jnp.bfloat16)
