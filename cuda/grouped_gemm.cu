@@ -124,17 +124,6 @@ __global__ void SetupKernel(SetupParams p) {
   }
 }
 
-int SmCount() {
-  // One query per device; later calls (also under graph capture) read the cache.
-  static std::atomic<int> cache[64];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
-  int count = cache[device].load(std::memory_order_relaxed);
-  if (count == 0 && cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
-    cache[device].store(count, std::memory_order_relaxed);
-  }
-  return std::min(count, kGemmMaxSms);
-}
 
 using GemmRunner = cudaError_t (*)(const GroupedGemmArgs&, int, cudaStream_t);
 
@@ -162,6 +151,18 @@ cudaError_t LaunchSetup(const GroupedGemmArgs& args, cudaStream_t stream) {
 }  // namespace
 }  // namespace gemm
 
+int GemmSmCount() {
+  // One query per device; later calls (also under graph capture) read the cache.
+  static std::atomic<int> cache[64];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
+  int count = cache[device].load(std::memory_order_relaxed);
+  if (count == 0 && cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
+    cache[device].store(count, std::memory_order_relaxed);
+  }
+  return std::min(count, kGemmMaxSms);
+}
+
 size_t GroupedGemmWorkspaceBytes(int64_t num_groups) {
   using namespace gemm;
   return kWorkspaceAlignSlack + WorkspaceLayout(num_groups).cutlass +
@@ -177,7 +178,7 @@ cudaError_t LaunchGroupedGemm(const GroupedGemmArgs& args, cudaStream_t stream) 
       reinterpret_cast<uintptr_t>(args.workspace) % 128 != 0 || args.k % kGemmAlignElements != 0 ||
       args.n % kGemmAlignElements != 0 || args.num_groups < 1)
     return cudaErrorInvalidValue;
-  const int sm_count = SmCount();
+  const int sm_count = GemmSmCount();
   if (sm_count <= 0) return cudaErrorInvalidDevice;
   if (!IsGemmTile(static_cast<int64_t>(args.tile))) return cudaErrorInvalidValue;
   if (args.out_layer != nullptr && !OutSliceFits(args)) return cudaErrorInvalidValue;

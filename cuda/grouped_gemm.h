@@ -82,6 +82,9 @@ inline bool OutSliceFits(const GroupedGemmArgs& a) {
 // Workspace bytes any grouped GEMM op needs for num_groups experts, 128 bytes of alignment slack
 // included (host arithmetic, no device).
 size_t GroupedGemmWorkspaceBytes(int64_t num_groups);
+// The current device's SMs, at most kGemmMaxSms (queried once per device, then cached: safe under
+// graph capture). 0 when it cannot be queried. The FP8 grouped GEMM sizes its grid by it too.
+int GemmSmCount();
 
 cudaError_t LaunchGroupedGemm(const GroupedGemmArgs& args, cudaStream_t stream);
 

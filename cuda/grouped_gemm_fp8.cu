@@ -6,7 +6,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <atomic>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
@@ -18,6 +17,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "grouped_gemm.h"
 #include "grouped_gemm_fp8.h"
 
 namespace jax_moe {
@@ -113,7 +113,6 @@ typename Gemm::Arguments MakeArguments(const Fp8GroupedGemmArgs& args, int sm_co
 }
 
 constexpr size_t kWorkspaceAlignSlack = 128;
-constexpr int kMaxSms = 144;
 constexpr int kSetupThreads = 256;
 constexpr int kMaxSetupBlocks = 264;
 
@@ -155,15 +154,6 @@ __global__ void SetupKernel(Fp8GroupedGemmArgs p) {
   for (int64_t i = thread; i < (p.out_rows - live) * p.n / 8; i += threads) out[i] = make_uint4(0, 0, 0, 0);
 }
 
-int SmCount() {
-  static std::atomic<int> cache[64];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
-  int count = cache[device].load(std::memory_order_relaxed);
-  if (count == 0 && cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess)
-    cache[device].store(count, std::memory_order_relaxed);
-  return std::min(count, kMaxSms);
-}
 
 // Half a warp per 1 x 128 group of a row: 16 lanes x 8 values, 16-byte loads. Each thread's 8
 // values are the thread index's 16 bytes of the rows, so the grid is one thread per 8 values and
@@ -216,8 +206,8 @@ size_t Fp8GroupedGemmWorkspaceBytes(int64_t num_groups) {
   Fp8GroupedGemmArgs args{};
   args.num_groups = num_groups;
   return kWorkspaceAlignSlack + WorkspaceLayout(num_groups).cutlass +
-         std::max(Rows128::Gemm::get_workspace_size(MakeArguments<Rows128::Gemm>(args, kMaxSms)),
-                  Rows64::Gemm::get_workspace_size(MakeArguments<Rows64::Gemm>(args, kMaxSms)));
+         std::max(Rows128::Gemm::get_workspace_size(MakeArguments<Rows128::Gemm>(args, kGemmMaxSms)),
+                  Rows64::Gemm::get_workspace_size(MakeArguments<Rows64::Gemm>(args, kGemmMaxSms)));
 }
 
 cudaError_t LaunchFp8GroupedGemm(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
@@ -227,7 +217,7 @@ cudaError_t LaunchFp8GroupedGemm(const Fp8GroupedGemmArgs& args, cudaStream_t st
       reinterpret_cast<uintptr_t>(args.workspace) % 128 != 0 ||
       args.workspace_bytes + kWorkspaceAlignSlack < Fp8GroupedGemmWorkspaceBytes(args.num_groups))
     return cudaErrorInvalidValue;
-  const int sm_count = SmCount();
+  const int sm_count = GemmSmCount();
   if (sm_count <= 0) return cudaErrorInvalidDevice;
   const int64_t work = std::max<int64_t>(args.num_groups, args.out_rows * args.n / 8);
   const int blocks = static_cast<int>(std::clamp<int64_t>((work + kSetupThreads - 1) / kSetupThreads, 1, kMaxSetupBlocks));
