@@ -17,6 +17,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "bf16_vector.cuh"
 #include "grouped_gemm.h"
 #include "grouped_gemm_fp8.h"
 
@@ -165,15 +166,10 @@ __global__ void QuantizeRowsKernel(const uint4* rows, uint2* q, float* scale, in
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t group = thread >> 4;
   const bool live = group < groups;
-  const uint4 raw = live ? __ldg(rows + thread) : make_uint4(0, 0, 0, 0);
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
   float v[8], most = 0.0f;
+  Unpack(live ? __ldg(rows + thread) : make_uint4(0, 0, 0, 0), v);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(words[i] << 16);
-    v[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-    most = fmaxf(most, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
-  }
+  for (int i = 0; i < 8; ++i) most = fmaxf(most, fabsf(v[i]));
 #pragma unroll
   for (int d = 8; d > 0; d >>= 1) most = fmaxf(most, __shfl_xor_sync(~0u, most, d));
   const float s = most > 0.0f ? __fmul_rn(most, kInvFp8Max) : 1.0f;
