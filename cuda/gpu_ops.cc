@@ -377,6 +377,70 @@ ffi::Error Fp8GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::A
   return CudaStatus(LaunchFp8GroupedGemm(args, stream), "fp8_grouped_matmul");
 }
 
+// FP8 SwiGLU experts in one call (grouped_gemm_fp8.h): rows [R, H] bf16 quantised per 1 x 128
+// group, the gate/up GEMM into hidden [R', 2F], SwiGLU's activation quantised again
+// (LaunchSwigluQuantize), the down GEMM into out [R', H]. The quantised rows, hidden and the
+// quantised activation are results of the call (temporaries); the two GEMMs share the workspace.
+ffi::Error Fp8SwigluExpertsImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer gate_up,
+                                ffi::Buffer<ffi::F32> gate_up_scale, ffi::AnyBuffer down,
+                                ffi::Buffer<ffi::F32> down_scale, ffi::Buffer<ffi::S32> expert_offsets,
+                                ffi::Buffer<ffi::S32>, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Result<ffi::Buffer<ffi::S32>> workspace, ffi::Result<ffi::AnyBuffer> q_rows,
+                                ffi::Result<ffi::Buffer<ffi::F32>> row_scale, ffi::Result<ffi::AnyBuffer> hidden,
+                                ffi::Result<ffi::AnyBuffer> q_act, ffi::Result<ffi::Buffer<ffi::F32>> act_scale,
+                                int64_t tile_rows) {
+  const auto rd = rows.dimensions();
+  const auto gd = gate_up.dimensions();
+  const auto dd = down.dimensions();
+  const auto od = out->dimensions();
+  if (rd.size() != 2 || gd.size() != 3 || dd.size() != 3 || od.size() != 2 || rows.element_type() != ffi::BF16 ||
+      gate_up.element_type() != ffi::F8E4M3FN || down.element_type() != ffi::F8E4M3FN ||
+      out->element_type() != ffi::BF16 || hidden->element_type() != ffi::BF16)
+    return InvalidArgument("fp8_swiglu_experts: expected bf16 rows, float8_e4m3fn experts, bf16 out");
+  const int64_t groups = gd[0], h = rd[1], f2 = gd[1], f = f2 / 2, out_rows = od[0];
+  if (gd[2] != h || dd[0] != groups || dd[1] != h || dd[2] != f || od[1] != h || out_rows > rd[0] ||
+      h % 128 != 0 || f % 128 != 0 ||
+      static_cast<int64_t>(gate_up_scale.element_count()) != groups * (f2 / 128) * (h / 128) ||
+      static_cast<int64_t>(down_scale.element_count()) != groups * (h / 128) * (f / 128) ||
+      static_cast<int64_t>(expert_offsets.element_count()) != groups + 1 ||
+      static_cast<int64_t>(q_rows->element_count()) != out_rows * h ||
+      static_cast<int64_t>(row_scale->element_count()) != out_rows * (h / 128) ||
+      static_cast<int64_t>(hidden->element_count()) != out_rows * f2 ||
+      static_cast<int64_t>(q_act->element_count()) != out_rows * f ||
+      static_cast<int64_t>(act_scale->element_count()) != out_rows * (f / 128))
+    return InvalidArgument("fp8_swiglu_experts: expected rows [R, H], gate_up [El, 2F, H] and down [El, H, F] with "
+                           "their [.., out / 128, in / 128] scales, H and F multiples of 128, out [<= R, H]");
+  if (tile_rows != 64 && tile_rows != 128) return InvalidArgument("fp8_swiglu_experts: tile_rows must be 64 or 128");
+  cudaError_t status = LaunchQuantizeRows(rows.untyped_data(), q_rows->untyped_data(), row_scale->typed_data(),
+                                          out_rows, h, stream);
+  if (status != cudaSuccess) return CudaStatus(status, "fp8_swiglu_experts: quantize rows");
+  const uintptr_t base = reinterpret_cast<uintptr_t>(workspace->untyped_data());
+  const uintptr_t aligned = (base + 127) / 128 * 128;
+  Fp8GroupedGemmArgs args;
+  args.a = q_rows->untyped_data();
+  args.a_scale = row_scale->typed_data();
+  args.b = gate_up.untyped_data();
+  args.b_scale = gate_up_scale.typed_data();
+  args.expert_offsets = expert_offsets.typed_data();
+  args.out = hidden->untyped_data();
+  args.workspace = reinterpret_cast<void*>(aligned);
+  args.workspace_bytes = workspace->size_bytes() > aligned - base ? workspace->size_bytes() - (aligned - base) : 0;
+  args.out_rows = out_rows, args.num_groups = groups, args.k = h, args.n = f2;
+  args.tile_rows = static_cast<int>(tile_rows);
+  status = LaunchFp8GroupedGemm(args, stream);
+  if (status != cudaSuccess) return CudaStatus(status, "fp8_swiglu_experts: gate_up");
+  status = LaunchSwigluQuantize(hidden->untyped_data(), q_act->untyped_data(), act_scale->typed_data(), out_rows, f,
+                                stream);
+  if (status != cudaSuccess) return CudaStatus(status, "fp8_swiglu_experts: activation");
+  args.a = q_act->untyped_data();
+  args.a_scale = act_scale->typed_data();
+  args.b = down.untyped_data();
+  args.b_scale = down_scale.typed_data();
+  args.out = out->untyped_data();
+  args.k = f, args.n = h;
+  return CudaStatus(LaunchFp8GroupedGemm(args, stream), "fp8_swiglu_experts: down");
+}
+
 // SwiGLU's backward (swiglu_kernels.h). hidden [R, 2F], or with `stacked` a stack [L, ...] whose
 // slice `layer` (a scalar read on the device) holds the [R, 2F] product flattened at element
 // `offset`; d_activated [R, F]; row_weights [R] when weighted.
@@ -526,6 +590,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8GroupedMatmulCuda, jax_moe::Fp8GroupedMat
                                   .Ret<ffi::Buffer<ffi::S32>>()        // workspace
                                   .Ret<ffi::AnyBuffer>()               // q_rows [out_rows, K] (temporary)
                                   .Ret<ffi::Buffer<ffi::F32>>()        // row_scale [out_rows, K / 128] (temporary)
+                                  .Attr<int64_t>("tile_rows"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8SwigluExpertsCuda, jax_moe::Fp8SwigluExpertsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // rows [R, H], bf16
+                                  .Arg<ffi::AnyBuffer>()               // gate_up [El, 2F, H], float8_e4m3fn
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // gate_up_scale [El, 2F / 128, H / 128]
+                                  .Arg<ffi::AnyBuffer>()               // down [El, H, F], float8_e4m3fn
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // down_scale [El, H / 128, F / 128]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
+                                  .Ret<ffi::AnyBuffer>()               // out [out_rows, H], bf16
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // workspace
+                                  .Ret<ffi::AnyBuffer>()               // q_rows [out_rows, H] (temporary)
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // row_scale [out_rows, H / 128] (temporary)
+                                  .Ret<ffi::AnyBuffer>()               // hidden [out_rows, 2F] bf16 (temporary)
+                                  .Ret<ffi::AnyBuffer>()               // q_act [out_rows, F] (temporary)
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // act_scale [out_rows, F / 128] (temporary)
                                   .Attr<int64_t>("tile_rows"),
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -38,6 +38,12 @@ cudaError_t LaunchFp8GroupedGemm(const Fp8GroupedGemmArgs& args, cudaStream_t st
 cudaError_t LaunchQuantizeRows(const void* rows, void* q, float* scale, int64_t num_rows, int64_t k,
                                cudaStream_t stream);
 
+// SwiGLU's activation of hidden [R, 2F] bf16 (gate columns, then up), quantised for the down
+// projection: q [R, F] float8_e4m3fn and scale [R, F / 128] = LaunchQuantizeRows of the activation
+// silu(gate) * up, computed in float32 and rounded to bf16 (jax_moe.gemm.gated_silu). F % 128 == 0.
+cudaError_t LaunchSwigluQuantize(const void* hidden, void* q, float* scale, int64_t num_rows, int64_t ffn,
+                                 cudaStream_t stream);
+
 }  // namespace jax_moe
 
 #endif  // JAX_MOE_GROUPED_GEMM_FP8_H_

@@ -58,12 +58,12 @@ def _fp8_swiglu_dequantized(layer_params: dict, rows: jax.Array, group_sizes: ja
     """``swiglu_experts`` on FP8 experts: both projections as ``gemm.fp8_dequantized_matmul`` (the
     FP8 GEMM's math), SwiGLU's activation between them. [R, H] of rows' dtype."""
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes).astype(jnp.int32)])
-    num_rows = rows.shape[0]
-    hidden = gemm.fp8_dequantized_matmul(rows, layer_params["gate_up"], layer_params["gate_up" + fp8.SCALE_SUFFIX],
-                                         offsets, num_rows)
-    activated = gated_silu(hidden, rows.dtype)
-    return gemm.fp8_dequantized_matmul(activated, layer_params["down"], layer_params["down" + fp8.SCALE_SUFFIX],
-                                       offsets, num_rows)
+    return gemm.fp8_swiglu_dequantized(rows, *_fp8_leaves(layer_params, fp8.QUANTIZED_NAMES), offsets, rows.shape[0])
+
+
+def _fp8_leaves(layer_params: dict, names: tuple[str, str]) -> tuple[jax.Array, ...]:
+    """``(gate_up, gate_up_scale, down, down_scale)`` of FP8 experts as constants to autodiff."""
+    return tuple(lax.stop_gradient(layer_params[name + suffix]) for name in names for suffix in ("", fp8.SCALE_SUFFIX))
 
 
 def shared_experts(layer_params: dict, x: jax.Array) -> jax.Array | None:
@@ -72,18 +72,37 @@ def shared_experts(layer_params: dict, x: jax.Array) -> jax.Array | None:
     ``down(silu(gate(x)) * up(x))`` with ``shared_gate_up`` [H, 2Fs] (gate first) and ``shared_down``
     [Fs, H], float32 accumulation and activation; scaled by ``sigmoid(x @ shared_gate)`` when the
     params hold a ``shared_gate`` [H, 1] (Qwen2-MoE, Qwen3.5-MoE), plain otherwise (DeepSeek-V3,
-    whose ``n_shared_experts`` experts are one of width ``n_shared_experts * F``).
+    whose ``n_shared_experts`` experts are one of width ``n_shared_experts * F``). An FP8 shared
+    expert (``jax_moe.fp8``: ``shared_gate_up`` [2Fs, H], ``shared_down`` [H, Fs] and their scales)
+    takes the FP8 experts' math as one group of T rows (``gemm.fp8_swiglu_forward`` on the GPU),
+    its output rounded to x's dtype before the gate.
     """
     if "shared_gate_up" not in layer_params:
         return None
     weight = lambda name: layer_params[name].astype(x.dtype)  # noqa: E731
-    if _shared_on_decode_kernel(x, layer_params["shared_down"].shape[0]):
+    if fp8.shared_is_quantized(layer_params):
+        out = _shared_swiglu_fp8(x, layer_params)
+    elif _shared_on_decode_kernel(x, layer_params["shared_down"].shape[0]):
         out = _shared_swiglu_decode(x, weight("shared_gate_up"), weight("shared_down"))
     else:
         out = _shared_swiglu(x, weight("shared_gate_up"), weight("shared_down"))
     if "shared_gate" in layer_params:
         out = out * jax.nn.sigmoid(dot_f32(x, weight("shared_gate")))
     return out.astype(x.dtype)
+
+
+def _shared_swiglu_fp8(x, layer_params):
+    """The FP8 shared expert on tokens x [T, H]: one group of T rows through ``_fp8_experts`` (the FP8
+    grouped GEMM, its own small workspace) on a GPU with bf16 rows, else the same math dequantised.
+    [T, H] of x's dtype; differentiable in x only."""
+    num_tokens, hidden = x.shape
+    weights = tuple(leaf[None] for leaf in _fp8_leaves(layer_params, fp8.SHARED_QUANTIZED_NAMES))
+    offsets = jnp.array([0, num_tokens], jnp.int32)
+    on_gemm = (jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16
+               and gemm.supports_fp8(hidden, layer_params["shared_down"].shape[-1]))
+    if on_gemm:
+        return _fp8_experts(x, *weights, offsets, num_tokens, gemm.fp8_workspace(1))[0]
+    return gemm.fp8_swiglu_dequantized(x, *weights, offsets, num_tokens)
 
 
 def _shared_swiglu(x, gate_up, down):
@@ -265,10 +284,9 @@ def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, num_tokens: 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _fp8_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, workspace):
-    """Both projections on the FP8 grouped GEMM: ``([num_rows, H], workspace)``. Differentiable in rows."""
-    hidden, workspace = gemm.fp8_forward(rows, gate_up, gate_up_scale, offsets, workspace, num_rows)
-    activated = gated_silu(hidden, rows.dtype)
-    return gemm.fp8_forward(activated, down, down_scale, offsets, workspace, num_rows)
+    """Both projections on the FP8 grouped GEMM, one call (``gemm.fp8_swiglu_forward``):
+    ``([num_rows, H], workspace)``. Differentiable in rows."""
+    return gemm.fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows)
 
 
 def _fp8_experts_fwd(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, workspace):
@@ -303,8 +321,7 @@ def swiglu_experts_fp8(layer_params: dict, scratch: MoEScratch, num_tokens: int)
     weights). Returns ``([live_row_bound(T), H], scratch)``."""
     config = scratch.config
     num_rows = config.live_row_bound(num_tokens)
-    weights = tuple(lax.stop_gradient(layer_params[name + suffix])
-                    for name in fp8.QUANTIZED_NAMES for suffix in ("", fp8.SCALE_SUFFIX))
+    weights = _fp8_leaves(layer_params, fp8.QUANTIZED_NAMES)
     out, workspace = _fp8_experts(scratch.permuted, *weights, scratch.expert_offsets, num_rows, scratch.workspace)
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
 

@@ -6,7 +6,9 @@ A Linear weight [out, in] is stored as ``float8_e4m3fn`` values q and a float32 
 Hopper's FP8 tensor cores read both operands along K: ``gate_up`` [El, 2F, H] (gate rows first)
 and ``down`` [El, H, F], with ``gate_up_scale_inv`` [El, 2F/128, H/128] and ``down_scale_inv``
 [El, H/128, F/128] next to them (bf16 experts are [El, H, 2F] and [El, F, H]). H and F must be
-multiples of 128.
+multiples of 128. A shared expert may be FP8 too, the same way without the expert axis:
+``shared_gate_up`` [2Fs, H] and ``shared_down`` [H, Fs] with their ``*_scale_inv`` (DeepSeek-V3's
+checkpoint stores it so).
 
 The math of an FP8 expert layer (DeepSeek-V3's inference recipe): the rows entering each
 projection are quantised per 1 x 128 group of a row (``quantize_rows``), both operands are
@@ -29,6 +31,7 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 INV_FP8_MAX = np.float32(1.0) / np.float32(FP8_MAX)  # rounded once, as the CUDA kernels' 1.0f / 448.0f
 SCALE_SUFFIX = "_scale_inv"
 QUANTIZED_NAMES = ("gate_up", "down")
+SHARED_QUANTIZED_NAMES = ("shared_gate_up", "shared_down")
 
 
 def num_blocks(size: int) -> int:
@@ -102,25 +105,34 @@ def is_quantized(params: dict) -> bool:
     return isinstance(params, dict) and "gate_up" + SCALE_SUFFIX in params
 
 
-def quantize_params(params: dict) -> dict:
+def shared_is_quantized(params: dict) -> bool:
+    """Whether the (layer or stacked) params carry an FP8 shared expert (``shared_gate_up_scale_inv``)."""
+    return isinstance(params, dict) and "shared_gate_up" + SCALE_SUFFIX in params
+
+
+def quantize_params(params: dict, shared: bool = True) -> dict:
     """The params with ``gate_up`` and ``down`` quantised to FP8 in the [out, in] layout (transposed
-    from the bf16 experts' [in, out]) and their ``*_scale_inv`` added; every other leaf as it is.
-    Stacked or one layer's."""
+    from the bf16 experts' [in, out]) and their ``*_scale_inv`` added, and so the shared expert's
+    ``shared_gate_up`` and ``shared_down`` when the params have one and ``shared`` (DeepSeek-V3's
+    recipe quantises every Linear but the router); every other leaf as it is. Stacked or one layer's
+    (or a part of them: the leaves it has)."""
     out = dict(params)
-    for name in QUANTIZED_NAMES:
+    names = QUANTIZED_NAMES + (SHARED_QUANTIZED_NAMES if shared else ())
+    for name in (name for name in names if name in params):
         out[name], out[name + SCALE_SUFFIX] = quantize(jnp.swapaxes(params[name], -1, -2))
     return out
 
 
-def expert_weights(layer_params: dict, dtype) -> tuple[jax.Array, jax.Array]:
+def expert_weights(layer_params: dict, dtype, names: tuple[str, str] = QUANTIZED_NAMES) -> tuple[jax.Array, jax.Array]:
     """``(gate_up [..., H, 2F], down [..., F, H])`` in dtype: the bf16 experts' layout, dequantised and
-    transposed when the params carry FP8 experts (then constants to autodiff)."""
-    if not is_quantized(layer_params):
-        return layer_params["gate_up"].astype(dtype), layer_params["down"].astype(dtype)
+    transposed when the params carry them as FP8 (then constants to autodiff). ``names``: the routed
+    experts' leaves, or ``SHARED_QUANTIZED_NAMES`` for the shared expert's."""
+    if names[0] + SCALE_SUFFIX not in layer_params:
+        return tuple(layer_params[name].astype(dtype) for name in names)
     # FP8 weights are for inference: no gradient reaches them or their scales.
     return tuple(jnp.swapaxes(dequantize(jax.lax.stop_gradient(layer_params[name]),
                                          jax.lax.stop_gradient(layer_params[name + SCALE_SUFFIX]), dtype), -1, -2)
-                 for name in QUANTIZED_NAMES)
+                 for name in names)
 
 
 def ffn_size(layer_params: dict) -> int:

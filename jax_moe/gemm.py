@@ -24,7 +24,7 @@ from jax import lax
 
 from jax_moe import _native, fp8
 from jax_moe._validate import check_grouped_matmul_args
-from jax_moe.ops import fence_results, read_from, write_into
+from jax_moe.ops import fence_results, read_from, uninitialized, write_into
 from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, MoEScratch
 
 # Tile configurations of cuda/grouped_gemm.h (GemmTile), by the rows each expert expects: 64 x 128
@@ -413,9 +413,10 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, scratch: MoEScratch, *,
 
 
 def fp8_workspace(num_groups: int) -> jax.Array:
-    """A workspace for ``fp8_forward`` alone: the FP8 GEMM's per-group arguments (int32 words). A
-    scratch's workspace (``init_scratch``) has room for them too."""
-    return jnp.zeros((max(1, -(-_native.fp8_grouped_matmul_workspace_bytes(num_groups) // 4)),), jnp.int32)
+    """A workspace for ``fp8_forward`` alone: the FP8 GEMM's per-group arguments (int32 words, left
+    unfilled: each call writes them before its GEMM reads them). A scratch's workspace
+    (``init_scratch``) has room for them too."""
+    return uninitialized((max(1, -(-_native.fp8_grouped_matmul_workspace_bytes(num_groups) // 4)),), jnp.int32)
 
 
 FP8_TILE_ROWS = (64, 128)  # the FP8 GEMM's CUTLASS row tiles: ping-pong 64, cooperative 128
@@ -476,6 +477,62 @@ def fp8_dequantized_matmul(rows, weights_nk, scale_nk, offsets, num_rows: int):
     a = fp8.straight_through_rows(rows[:num_rows])
     b = jnp.swapaxes(fp8.dequantize(lax.stop_gradient(weights_nk), lax.stop_gradient(scale_nk), jnp.float32), -1, -2)
     return _ragged_dot(a, b, offsets).astype(rows.dtype)
+
+
+def _fp8_swiglu_experts_call(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows: int,
+                             tile_rows: int):
+    """The CUDA call of ``fp8_swiglu_forward``: ``(out, workspace, q_rows, row_scale, hidden, q_act,
+    act_scale)``, the last five the call's temporaries (the quantised rows, the gate/up product
+    [num_rows, 2F], the quantised activation; tests read them)."""
+    hidden_size, f = rows.shape[1], down.shape[2]
+    shapes = (((num_rows, hidden_size), rows.dtype), (workspace.shape, workspace.dtype),
+              ((num_rows, hidden_size), fp8.FP8), ((num_rows, hidden_size // fp8.BLOCK), jnp.float32),
+              ((num_rows, 2 * f), rows.dtype), ((num_rows, f), fp8.FP8), ((num_rows, f // fp8.BLOCK), jnp.float32))
+    call = jax.ffi.ffi_call(_native.FP8_SWIGLU_EXPERTS_TARGET,
+                            tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes),
+                            input_output_aliases={6: 1}, vmap_method="sequential")
+    return fence_results(call(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace,
+                              tile_rows=np.int64(tile_rows)))
+
+
+def fp8_swiglu_dequantized(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows: int):
+    """``fp8_swiglu_forward``'s math on dequantised operands, any device: ``fp8_dequantized_matmul``
+    twice with SwiGLU's activation (``gated_silu``) between. [num_rows, H] of rows' dtype,
+    differentiable in rows."""
+    hidden = fp8_dequantized_matmul(rows, gate_up, gate_up_scale, offsets, num_rows)
+    return fp8_dequantized_matmul(gated_silu(hidden, rows.dtype), down, down_scale, offsets, num_rows)
+
+
+def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows: int,
+                       tile_rows: int | None = None):
+    """FP8 SwiGLU experts in one CUDA call: ``fp8_forward`` with ``gate_up`` [El, 2F, H], SwiGLU's
+    activation (float32, rounded to the rows' dtype) quantised per 1 x 128 group in the same kernel
+    that computes it, then ``fp8_forward`` with ``down`` [El, H, F]. The same math as those three
+    steps (``fp8_swiglu_dequantized`` off CUDA); one launch fewer and no bf16 activation in memory.
+
+    Args as ``fp8_forward``'s (rows [R, H] bf16, both projections' FP8 weights [El, out, in] and
+    float32 scales [El, out/128, in/128], H and F multiples of 128). Returns ``([num_rows, H], workspace)``.
+    """
+    _check_fp8_forward(rows, gate_up, gate_up_scale, offsets, num_rows)
+    num_groups, two_f, hidden_size = gate_up.shape
+    if jnp.shape(down) != (num_groups, hidden_size, two_f // 2):
+        raise ValueError(f"fp8_swiglu_forward: down: expected [El, H, F] = {(num_groups, hidden_size, two_f // 2)} "
+                         f"(gate_up is [El, 2F, H] = {tuple(gate_up.shape)}), got {tuple(jnp.shape(down))}")
+    _check_fp8_forward(jax.ShapeDtypeStruct((0, two_f // 2), rows.dtype), down, down_scale, offsets, 0)
+    tile_rows = fp8_tile_rows(num_rows, num_groups) if tile_rows is None else tile_rows
+    if tile_rows not in FP8_TILE_ROWS:
+        raise ValueError(f"fp8_swiglu_forward: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
+
+    def fallback(r, gu, gus, d, ds, o, ws):
+        return fp8_swiglu_dequantized(r, gu, gus, d, ds, o, num_rows), ws
+
+    def native(*operands):
+        return _fp8_swiglu_experts_call(*operands, num_rows, tile_rows)[:2]
+
+    operands = (rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace)
+    if not (rows.dtype == jnp.bfloat16 and hidden_size % fp8.BLOCK == 0 and two_f % (2 * fp8.BLOCK) == 0):
+        return fallback(*operands)
+    return _on_cuda(native, fallback, *operands)
 
 
 def fp8_forward(rows, weights_nk, scale_nk, offsets, workspace, num_rows: int, tile_rows: int | None = None):

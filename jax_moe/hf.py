@@ -15,10 +15,10 @@ published checkpoints and transformers' ``save_pretrained`` write them) and fuse
 (``experts.gate_up_proj`` [E, 2F, H], ``experts.down_proj`` [E, H, F]).
 
 FP8 checkpoints (DeepSeek-V3's ``quantization_config``: e4m3 weights, float32 ``weight_scale_inv``
-per 128 x 128 block) load without dequantising the routed experts: the params then carry
-``gate_up``/``down`` as float8_e4m3fn with ``gate_up_scale_inv``/``down_scale_inv``
-(``jax_moe.fp8``); the shared expert is dequantised to the rows' dtype. ``experts_fp8`` chooses:
-keep or dequantise an FP8 checkpoint's experts, or quantise a bf16 checkpoint's.
+per 128 x 128 block) load without dequantising the experts: the params then carry ``gate_up``/
+``down`` as float8_e4m3fn with ``gate_up_scale_inv``/``down_scale_inv`` (``jax_moe.fp8``), and the
+shared expert's ``shared_gate_up``/``shared_down`` likewise. ``experts_fp8`` chooses: keep or
+dequantise an FP8 checkpoint's experts, or quantise a bf16 checkpoint's.
 """
 
 from __future__ import annotations
@@ -219,10 +219,11 @@ def load_moe(path, *, max_tokens: int, dtype=None, experts_fp8: bool | None = No
         ``model.safetensors.index.json`` or not) of a supported model (``SUPPORTED``).
       max_tokens: the ``MoEConfig.max_tokens`` to size scratches for.
       dtype: params' and rows' dtype; None keeps the checkpoint's (bf16 stays bf16).
-      experts_fp8: the routed experts as FP8 (``jax_moe.fp8``: float8_e4m3fn ``gate_up``/``down``
-        and their ``*_scale_inv``): None keeps what the checkpoint stores (DeepSeek-V3's FP8
-        checkpoints stay FP8, needing H and F multiples of 128), True also quantises a bf16/f32
-        checkpoint's experts, False dequantises an FP8 checkpoint's.
+      experts_fp8: the routed and shared experts as FP8 (``jax_moe.fp8``: float8_e4m3fn
+        ``gate_up``/``down``, ``shared_gate_up``/``shared_down``, and their ``*_scale_inv``): None
+        keeps what the checkpoint stores (DeepSeek-V3's FP8 checkpoints stay FP8, needing H, F and
+        the shared width multiples of 128), True also quantises a bf16/f32 checkpoint's experts,
+        False dequantises an FP8 checkpoint's.
 
     Returns:
       ``(config, params)``: a ``MoEConfig`` with the model's E, k, H and routing (softmax with or
@@ -232,7 +233,8 @@ def load_moe(path, *, max_tokens: int, dtype=None, experts_fp8: bool | None = No
       [L, H, 2Fs], ``shared_down`` [L, Fs, H], ``shared_gate`` [L, H, 1]. L = the MoE layers.
       FP8 experts keep the checkpoint's [out, in] layout: ``gate_up`` [L, E, 2F, H] and ``down``
       [L, E, H, F] float8_e4m3fn with ``gate_up_scale_inv`` [L, E, 2F/128, H/128] and
-      ``down_scale_inv`` [L, E, H/128, F/128] (float32).
+      ``down_scale_inv`` [L, E, H/128, F/128] (float32); an FP8 shared expert likewise without E
+      (``shared_gate_up`` [L, 2Fs, H], ``shared_down`` [L, H, Fs] and their ``*_scale_inv``).
 
     Raises:
       ValueError: an unsupported architecture, a config field it cannot honour, a missing or
@@ -256,10 +258,12 @@ def load_moe(path, *, max_tokens: int, dtype=None, experts_fp8: bool | None = No
         config = MoEConfig(num_experts=layout.num_experts, top_k=layout.top_k, hidden_size=layout.hidden,
                            max_tokens=max_tokens, dtype=out_dtype, **layout.routing)
         keep_fp8 = layout.fp8 and experts_fp8 is not False
-        if keep_fp8 and (layout.hidden % fp8.BLOCK or layout.ffn % fp8.BLOCK):
-            raise ValueError(f"load_moe: experts_fp8: keeping the FP8 experts needs H and F multiples of {fp8.BLOCK} "
-                             f"(gate and up share one scale grid), got H={layout.hidden}, F={layout.ffn}; pass "
-                             "experts_fp8=False to dequantise them")
+        shared_width = layout.shared_ffn or fp8.BLOCK
+        if keep_fp8 and (layout.hidden % fp8.BLOCK or layout.ffn % fp8.BLOCK or shared_width % fp8.BLOCK):
+            raise ValueError(f"load_moe: experts_fp8: keeping the FP8 experts needs H, F and the shared expert's "
+                             f"width multiples of {fp8.BLOCK} (gate and up share one scale grid), got "
+                             f"H={layout.hidden}, F={layout.ffn}, Fs={layout.shared_ffn}; pass experts_fp8=False to "
+                             "dequantise them")
         params = _read_params(tensors, layout, out_dtype, keep_fp8)
     finally:
         tensors.close()
@@ -312,7 +316,13 @@ def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = Fal
         return weight, scales(name, out_f, in_f)
     if layout.router_bias:
         params["router_bias"] = np.empty((L, E), np.float32)
-    if layout.shared_ffn:
+    if layout.shared_ffn and keep_fp8:  # as the routed experts: [out, in], gate rows then up rows
+        blocks_s = fp8.num_blocks(layout.shared_ffn)
+        params["shared_gate_up"] = np.empty((L, 2 * layout.shared_ffn, H), expert_dtype)
+        params["shared_down"] = np.empty((L, H, layout.shared_ffn), expert_dtype)
+        params["shared_gate_up" + fp8.SCALE_SUFFIX] = np.empty((L, 2 * blocks_s, fp8.num_blocks(H)), np.float32)
+        params["shared_down" + fp8.SCALE_SUFFIX] = np.empty((L, fp8.num_blocks(H), blocks_s), np.float32)
+    elif layout.shared_ffn:
         params["shared_gate_up"] = np.empty((L, H, 2 * layout.shared_ffn), np_dtype)
         params["shared_down"] = np.empty((L, layout.shared_ffn, H), np_dtype)
     if layout.shared_gate:
@@ -346,9 +356,19 @@ def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = Fal
         if layout.shared_ffn:
             shared = block + ("shared_experts." if layout.router_bias else "shared_expert.")
             Fs = layout.shared_ffn
-            params["shared_gate_up"][i, :, :Fs] = linear(shared + "gate_proj", Fs, H).T
-            params["shared_gate_up"][i, :, Fs:] = linear(shared + "up_proj", Fs, H).T
-            params["shared_down"][i] = linear(shared + "down_proj", H, Fs).T
+            if keep_fp8:
+                blocks_s = fp8.num_blocks(Fs)
+                for part, name in ((0, "gate_proj"), (1, "up_proj")):
+                    weight, scale = fp8_linear(shared + name, Fs, H)
+                    params["shared_gate_up"][i, part * Fs:(part + 1) * Fs] = weight
+                    params["shared_gate_up" + fp8.SCALE_SUFFIX][i, part * blocks_s:(part + 1) * blocks_s] = scale
+                weight, scale = fp8_linear(shared + "down_proj", H, Fs)
+                params["shared_down"][i] = weight
+                params["shared_down" + fp8.SCALE_SUFFIX][i] = scale
+            else:
+                params["shared_gate_up"][i, :, :Fs] = linear(shared + "gate_proj", Fs, H).T
+                params["shared_gate_up"][i, :, Fs:] = linear(shared + "up_proj", Fs, H).T
+                params["shared_down"][i] = linear(shared + "down_proj", H, Fs).T
         if layout.shared_gate:
             params["shared_gate"][i] = tensors.get(block + "shared_expert_gate.weight", (1, H)).T
     return params

@@ -24,10 +24,11 @@ from jax_moe.stack import rms_norm  # public here too, as before the stack modul
 
 PARAM_NAMES = ("router", "gate_up", "down")
 FP8_SCALE_NAMES = tuple(name + fp8.SCALE_SUFFIX for name in fp8.QUANTIZED_NAMES)
+SHARED_FP8_SCALE_NAMES = tuple(name + fp8.SCALE_SUFFIX for name in fp8.SHARED_QUANTIZED_NAMES)
 # The leaves with a (local) expert axis: sharded over devices by expert parallelism.
 EXPERT_PARAM_NAMES = ("gate_up", "down") + FP8_SCALE_NAMES
 # Optional leaves: the correction bias of DeepSeek-V3's routing, shared experts, FP8 experts' scales.
-OPTIONAL_PARAM_NAMES = ("router_bias",) + SHARED_NAMES + FP8_SCALE_NAMES
+OPTIONAL_PARAM_NAMES = ("router_bias",) + SHARED_NAMES + FP8_SCALE_NAMES + SHARED_FP8_SCALE_NAMES
 
 
 def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size: int, dtype=None, *,
@@ -98,14 +99,16 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
     hidden, experts, local = config.hidden_size, config.num_experts, config.num_local_experts
     quantized = fp8.is_quantized(layer_params)  # FP8 experts keep the checkpoint's [out, in] layout
     ffn2 = jnp.shape(layer_params["gate_up"])[-2 if quantized else -1] if jnp.ndim(layer_params["gate_up"]) > 1 else -1
-    shared2 = jnp.shape(layer_params["shared_gate_up"])[-1] if jnp.ndim(layer_params.get("shared_gate_up", 0)) else -1
+    shared_quantized = fp8.shared_is_quantized(layer_params)
+    shared2 = (jnp.shape(layer_params["shared_gate_up"])[-2 if shared_quantized else -1]
+               if jnp.ndim(layer_params.get("shared_gate_up", 0)) > 1 else -1)
     want = {
         "router": lead + (hidden, experts),
         "gate_up": lead + ((local, ffn2, hidden) if quantized else (local, hidden, ffn2)),
         "down": lead + ((local, hidden, ffn2 // 2) if quantized else (local, ffn2 // 2, hidden)),
         "router_bias": lead + (experts,),
-        "shared_gate_up": lead + (hidden, shared2),
-        "shared_down": lead + (shared2 // 2, hidden),
+        "shared_gate_up": lead + ((shared2, hidden) if shared_quantized else (hidden, shared2)),
+        "shared_down": lead + ((hidden, shared2 // 2) if shared_quantized else (shared2 // 2, hidden)),
         "shared_gate": lead + (hidden, 1),
     }
     layout = "[L, " if stacked else "["
@@ -117,8 +120,11 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
         if have != shape or (name != "router_bias" and name != "shared_gate" and (width < 2 or width % 2)):
             raise ValueError(
                 f"{op}: params[{name!r}]: expected shape {shape} ({layout}... with H={hidden}, E={experts}, "
-                f"El={local}, 2F and 2Fs even{'; FP8 experts [out, in]' if quantized else ''}), got {have}")
-    _check_fp8_params(op, layer_params, lead, layout, hidden, ffn2 // 2)
+                f"El={local}, 2F and 2Fs even{'; FP8 experts [out, in]' if quantized or shared_quantized else ''}), "
+                f"got {have}")
+    _check_fp8_params(op, layer_params, layout, hidden, ffn2 // 2)
+    if "shared_gate_up" in layer_params and "shared_down" in layer_params:
+        _check_fp8_params(op, layer_params, layout, hidden, shared2 // 2, shared=True)
     if ("shared_gate_up" in layer_params) != ("shared_down" in layer_params) or (
             "shared_gate" in layer_params and "shared_gate_up" not in layer_params):
         present = sorted(n for n in SHARED_NAMES if n in layer_params)
@@ -126,27 +132,31 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
                          f"them), got {present}")
 
 
-def _check_fp8_params(op: str, layer_params, lead: tuple, layout: str, hidden: int, ffn: int) -> None:
+def _check_fp8_params(op: str, layer_params, layout: str, hidden: int, ffn: int,
+                      shared: bool = False) -> None:
     """FP8 experts (``jax_moe.fp8``): both scales or none; e4m3 weights [.., El, out, in] with H and F
-    multiples of 128, and [.., El, out/128, in/128] scales."""
-    present = [name for name in FP8_SCALE_NAMES if name in layer_params]
+    multiples of 128, and [.., El, out/128, in/128] scales. ``shared``: the shared expert's, without El."""
+    names, scale_names = ((fp8.SHARED_QUANTIZED_NAMES, SHARED_FP8_SCALE_NAMES) if shared
+                          else (fp8.QUANTIZED_NAMES, FP8_SCALE_NAMES))
+    what, width, expert_axis = ("an FP8 shared expert", "Fs", "") if shared else ("FP8 experts", "F", "El, ")
+    present = [name for name in scale_names if name in layer_params]
     if not present:
         return
-    if len(present) != len(FP8_SCALE_NAMES):
-        raise ValueError(f"{op}: params: expected {FP8_SCALE_NAMES} together (FP8 experts), got {present}")
+    if len(present) != len(scale_names):
+        raise ValueError(f"{op}: params: expected {scale_names} together ({what}), got {present}")
     if hidden % fp8.BLOCK or ffn % fp8.BLOCK:
-        raise ValueError(f"{op}: params: FP8 experts need H and F multiples of {fp8.BLOCK} (whole scale blocks "
-                         f"along K for the rows' quantisation), got H={hidden}, F={ffn}")
-    for name in fp8.QUANTIZED_NAMES:
+        raise ValueError(f"{op}: params: {what} need{'s' if shared else ''} H and {width} multiples of {fp8.BLOCK} "
+                         f"(whole scale blocks along K for the rows' quantisation), got H={hidden}, {width}={ffn}")
+    for name in names:
         weights, scales = layer_params[name], layer_params[name + fp8.SCALE_SUFFIX]
         if jnp.dtype(weights.dtype) != jnp.dtype(fp8.FP8):
             raise ValueError(f"{op}: params[{name!r}]: expected float8_e4m3fn next to {name + fp8.SCALE_SUFFIX!r}, "
                              f"got {weights.dtype}")
         out_f, in_f = jnp.shape(weights)[-2:]
-        want = lead + (jnp.shape(weights)[len(lead)], fp8.num_blocks(out_f), fp8.num_blocks(in_f))
+        want = jnp.shape(weights)[:-2] + (fp8.num_blocks(out_f), fp8.num_blocks(in_f))
         if tuple(jnp.shape(scales)) != want or jnp.dtype(scales.dtype) != jnp.float32:
-            raise ValueError(f"{op}: params[{name + fp8.SCALE_SUFFIX!r}]: expected float32 {want} ({layout}El, "
-                             f"out/128, in/128]), got {scales.dtype}{list(jnp.shape(scales))}")
+            raise ValueError(f"{op}: params[{name + fp8.SCALE_SUFFIX!r}]: expected float32 {want} ({layout}"
+                             f"{expert_axis}out/128, in/128]), got {scales.dtype}{list(jnp.shape(scales))}")
 
 
 def _flat_tokens(op: str, x, config: MoEConfig) -> jax.Array:

@@ -62,7 +62,7 @@ def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int, *, fp8
     router comes from ``init_moe_params`` with the full config (and a throwaway ffn of 1); every
     other leaf from ``init_moe_params`` for a one-expert config, so the scaling stays in one place.
     ``fp8``: each expert quantised as it is drawn (``jax_moe.fp8``): the same draws, FP8 experts
-    and their scales, never a bf16 copy of the stack.
+    (the shared one too) and their scales, never a bf16 copy of the stack.
     """
     from jax_moe import fp8 as moe_fp8, layers as moe_layers  # imported late: a missing module fails this suite only
 
@@ -80,6 +80,7 @@ def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int, *, fp8
         # The router and the options' small leaves (shared expert, correction bias) drawn whole.
         small = moe_layers.init_moe_params(router_key, config, layers, 1, **options)
         small = {name: leaf for name, leaf in small.items() if name not in ("gate_up", "down")}
+        small = moe_fp8.quantize_params(small) if fp8 else small  # the shared expert, as DeepSeek-V3 stores it
         experts = lax.map(expert, jax.random.split(experts_key, layers * num_local))
         stacked = {name: leaf.reshape(layers, num_local, *leaf.shape[1:]) for name, leaf in experts.items()}
         return {**small, **stacked}

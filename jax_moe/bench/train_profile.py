@@ -5,6 +5,7 @@ profiler (CUPTI) and prints the device time of each kernel name, largest first, 
 
     python -m jax_moe.bench.train_profile --model qwen3_30b --tokens 4096 --layers 1
     python -m jax_moe.bench.train_profile --forward --model qwen3_30b --tokens 1 --layers 4   (decode)
+    python -m jax_moe.bench.train_profile --forward --fp8 --model deepseek_v3 --tokens 1   (FP8 experts)
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main(argv=None) -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--forward", action="store_true",
                         help="a decode step instead: the stack's forward alone, the model's own routing")
+    parser.add_argument("--fp8", action="store_true",
+                        help="FP8 experts (as the stack suite draws them; inference: use with --forward)")
     args = parser.parse_args(argv)
 
     import jax
@@ -57,7 +60,7 @@ def main(argv=None) -> None:
     # Training routes as the train suite runs it (like its peer); a decode step by the model's own.
     config = model.config(args.tokens, real_routing=args.forward)
     options = model.param_options() if args.forward else {}
-    params = init_stack_params(jax.random.key(0), config, args.layers, model.ffn_size, **options)
+    params = init_stack_params(jax.random.key(0), config, args.layers, model.ffn_size, fp8=args.fp8, **options)
     x = jax.random.normal(jax.random.key(1), (args.tokens, model.hidden_size), ROW_DTYPE)
 
     if args.forward:
