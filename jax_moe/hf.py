@@ -14,8 +14,9 @@ load: per-expert (``experts.{e}.gate_proj/up_proj/down_proj``, Mixtral's ``w1/w3
 published checkpoints and transformers' ``save_pretrained`` write them) and fused
 (``experts.gate_up_proj`` [E, 2F, H], ``experts.down_proj`` [E, H, F]).
 
-FP8 checkpoints (DeepSeek-V3's ``quantization_config``: e4m3 weights, float32 ``weight_scale_inv``
-per 128 x 128 block) load without dequantising the experts: the params then carry ``gate_up``/
+FP8 checkpoints (``quantization_config`` as DeepSeek-V3's and Qwen's -FP8 releases write it: e4m3
+weights, float32 ``weight_scale_inv`` per 128 x 128 block) load without dequantising the experts
+(any other FP8 Linear, a router say, is dequantised): the params then carry ``gate_up``/
 ``down`` as float8_e4m3fn with ``gate_up_scale_inv``/``down_scale_inv`` (``jax_moe.fp8``), and the
 shared expert's ``shared_gate_up``/``shared_down`` likewise. ``experts_fp8`` chooses: keep or
 dequantise an FP8 checkpoint's experts, or quantise a bf16 checkpoint's.
@@ -92,9 +93,6 @@ def _layout(config: dict) -> _Layout:
                              "(model_type qwen3_5_moe), found none")
         prefix = "model.language_model."
     is_fp8 = _fp8_checkpoint(cfg.get("quantization_config") or config.get("quantization_config"))
-    if is_fp8 and model_type != "deepseek_v3":
-        raise ValueError(f"load_moe: config.json: quantization_config: FP8 checkpoints are read for DeepSeek-V3, "
-                         f"got model_type {model_type!r}")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"load_moe: config.json: hidden_act: expected 'silu' (SwiGLU experts), got {act!r}")
@@ -106,7 +104,7 @@ def _layout(config: dict) -> _Layout:
     if model_type == "mixtral":
         return _Layout(prefix, "block_sparse_moe", tuple(range(num_layers)), num_experts, top_k, hidden,
                        int(_field(cfg, ("intermediate_size",), "the expert width")), {}, None, False, False,
-                       ("w1", "w3", "w2"))
+                       ("w1", "w3", "w2"), is_fp8)
     ffn = int(_field(cfg, ("moe_intermediate_size",), "the expert width"))
     if model_type in ("qwen2_moe", "qwen3_moe"):
         only_mlp = set(cfg.get("mlp_only_layers") or [])
@@ -115,11 +113,11 @@ def _layout(config: dict) -> _Layout:
         shared = int(cfg.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
         routing = {"renormalize": bool(cfg.get("norm_topk_prob", False))}
         return _Layout(prefix, "mlp", layers, num_experts, top_k, hidden, ffn, routing, shared or None, bool(shared),
-                       False, per_expert)
+                       False, per_expert, is_fp8)
     if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
         shared = int(_field(cfg, ("shared_expert_intermediate_size",), "the shared expert width"))
         return _Layout(prefix, "mlp", tuple(range(num_layers)), num_experts, top_k, hidden, ffn, {"renormalize": True},
-                       shared, True, False, per_expert)
+                       shared, True, False, per_expert, is_fp8)
     # DeepSeek-V3
     for name, allowed in (("scoring_func", ("sigmoid",)), ("topk_method", ("noaux_tc",)), ("moe_layer_freq", (1,))):
         if cfg.get(name) is not None and cfg[name] not in allowed:
@@ -221,8 +219,8 @@ def load_moe(path, *, max_tokens: int, dtype=None, experts_fp8: bool | None = No
       dtype: params' and rows' dtype; None keeps the checkpoint's (bf16 stays bf16).
       experts_fp8: the routed and shared experts as FP8 (``jax_moe.fp8``: float8_e4m3fn
         ``gate_up``/``down``, ``shared_gate_up``/``shared_down``, and their ``*_scale_inv``): None
-        keeps what the checkpoint stores (DeepSeek-V3's FP8 checkpoints stay FP8, needing H, F and
-        the shared width multiples of 128), True also quantises a bf16/f32 checkpoint's experts,
+        keeps what the checkpoint stores (FP8 checkpoints, DeepSeek-V3's or Qwen's -FP8, stay FP8,
+        needing H, F and the shared width multiples of 128), True also quantises a bf16/f32 checkpoint's experts,
         False dequantises an FP8 checkpoint's.
 
     Returns:
@@ -331,7 +329,7 @@ def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = Fal
     for i, layer in enumerate(layout.moe_layers):
         block = f"{layout.prefix}layers.{layer}.{layout.block}."
         # transformers' Linear weights are [out, in]; moe_stack multiplies x [T, in] @ w [in, out].
-        params["router"][i] = tensors.get(block + "gate.weight", (E, H)).T
+        params["router"][i] = linear(block + "gate", E, H).T  # (an FP8 checkpoint's router is dequantised)
         if layout.router_bias:
             params["router_bias"][i] = tensors.get(block + "gate.e_score_correction_bias", (E,))
         if keep_fp8:  # as stored, [out, in]: gate rows above up rows, and so their scale grids
@@ -370,5 +368,5 @@ def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = Fal
                 params["shared_gate_up"][i, :, Fs:] = linear(shared + "up_proj", Fs, H).T
                 params["shared_down"][i] = linear(shared + "down_proj", H, Fs).T
         if layout.shared_gate:
-            params["shared_gate"][i] = tensors.get(block + "shared_expert_gate.weight", (1, H)).T
+            params["shared_gate"][i] = linear(block + "shared_expert_gate", 1, H).T
     return params

@@ -234,6 +234,81 @@ def test_fp8_checkpoint_loads_without_dequantising(tmp_path):
     assert np.abs(got - want).max() <= 0.1 * np.abs(want).max()
 
 
+def _fp8_qwen_checkpoint(folder, model_type, num_experts=4, hidden=256, ffn=128, shared=256, fp8_router=False):
+    """A one-layer Qwen2-MoE (shared expert and its gate) or Qwen3-MoE FP8 checkpoint as Qwen's -FP8
+    releases store them: the experts e4m3 with 128 x 128 block scales; the router and the shared
+    expert's gate bf16, or the router FP8 too with ``fp8_router``."""
+    from jax_moe import fp8
+    import ml_dtypes
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    config = {"model_type": model_type, "num_hidden_layers": 1, "num_experts": num_experts, "num_experts_per_tok": 2,
+              "hidden_size": hidden, "moe_intermediate_size": ffn, "norm_topk_prob": model_type == "qwen3_moe",
+              "hidden_act": "silu", "torch_dtype": "bfloat16",
+              "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                      "weight_block_size": [128, 128]}}
+    if model_type == "qwen2_moe":
+        config["shared_expert_intermediate_size"] = shared
+    (folder / "config.json").write_text(json.dumps(config))
+    block = "model.layers.0.mlp."
+    tensors = {}
+
+    def linear(name, out_f, in_f, quantised=True):
+        w = rng.standard_normal((out_f, in_f)) / np.sqrt(in_f)
+        if not quantised:
+            tensors[name + ".weight"] = w.astype(ml_dtypes.bfloat16)
+            return
+        q, scale_inv = fp8.quantize(jnp.asarray(w))
+        tensors[name + ".weight"] = np.asarray(q)
+        tensors[name + ".weight_scale_inv"] = np.asarray(scale_inv)
+
+    linear(block + "gate", num_experts, hidden, quantised=fp8_router)
+    for e in range(num_experts):
+        for name, shape in (("gate_proj", (ffn, hidden)), ("up_proj", (ffn, hidden)), ("down_proj", (hidden, ffn))):
+            linear(f"{block}experts.{e}.{name}", *shape)
+    if model_type == "qwen2_moe":
+        for name, shape in (("gate_proj", (shared, hidden)), ("up_proj", (shared, hidden)),
+                            ("down_proj", (hidden, shared))):
+            linear(f"{block}shared_expert.{name}", *shape)
+        linear(block + "shared_expert_gate", 1, hidden, quantised=False)
+    _write_safetensors(folder / "model.safetensors", tensors)
+    return tensors
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_qwen_fp8_checkpoint_loads_without_dequantising(tmp_path, model_type):
+    """Qwen's -FP8 releases (Qwen3-30B-A3B-FP8 and the like): the experts (and Qwen2-MoE's shared
+    expert) stay FP8 as stored; the FP8 stack is within the rows' quantisation error of the same
+    checkpoint dequantised on load."""
+    from jax_moe import fp8
+    tensors = _fp8_qwen_checkpoint(tmp_path / "fp8", model_type)
+    config, params = hf.load_moe(tmp_path / "fp8", max_tokens=4)
+    assert fp8.is_quantized(params) and params["gate_up"].shape == (1, 4, 256, 256)
+    np.testing.assert_array_equal(np.asarray(params["down"][0, 3], np.float32),
+                                  tensors["model.layers.0.mlp.experts.3.down_proj.weight"].astype(np.float32))
+    assert fp8.shared_is_quantized(params) == (model_type == "qwen2_moe")
+    if model_type == "qwen2_moe":
+        assert params["shared_gate_up"].shape == (1, 512, 256) and params["shared_gate"].dtype == jnp.bfloat16
+    _, dense = hf.load_moe(tmp_path / "fp8", max_tokens=4, experts_fp8=False)
+    assert not any(name.endswith(fp8.SCALE_SUFFIX) for name in dense)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 256)), jnp.bfloat16)
+    got, _ = moe_stack(params, x, init_scratch(config))
+    want, _ = moe_stack(dense, x, init_scratch(config))
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert 0 < np.linalg.norm(got - want) <= 2.0 ** -4 * np.linalg.norm(want)
+
+
+def test_fp8_router_is_dequantised(tmp_path):
+    """An FP8 Linear that is not an expert (a router stored as e4m3) is read dequantised, not as raw
+    e4m3 values."""
+    from jax_moe import fp8
+    tensors = _fp8_qwen_checkpoint(tmp_path / "fp8", "qwen3_moe", fp8_router=True)
+    _, params = hf.load_moe(tmp_path / "fp8", max_tokens=4, dtype=jnp.float32)
+    gate = "model.layers.0.mlp.gate"
+    want = fp8.dequantize(jnp.asarray(tensors[gate + ".weight"]), jnp.asarray(tensors[gate + ".weight_scale_inv"]))
+    np.testing.assert_array_equal(np.asarray(params["router"][0]), np.asarray(want).T)
+
+
 def test_bf16_checkpoint_quantised_on_request():
     from jax_moe import fp8
     config, params = hf.load_moe(FIXTURES / "qwen3_moe", max_tokens=4)
