@@ -316,8 +316,8 @@ _fp8_experts.defvjp(_fp8_experts_fwd, _fp8_experts_bwd)
 
 def swiglu_experts_fp8(layer_params: dict, scratch: MoEScratch, num_tokens: int):
     """``swiglu_experts_grouped`` for FP8 experts (``jax_moe.fp8``): both projections on the FP8
-    grouped GEMM (``gemm.fp8_forward``; rows quantised per 1 x 128 group, the scratch's workspace
-    threaded through), SwiGLU's activation between them. Differentiable in the rows (not in the FP8
+    grouped GEMM in one call (``gemm.fp8_swiglu_forward``; rows quantised per 1 x 128 group, the
+    scratch's workspace threaded through), SwiGLU's activation between them. Differentiable in the rows (not in the FP8
     weights). Returns ``([live_row_bound(T), H], scratch)``."""
     config = scratch.config
     num_rows = config.live_row_bound(num_tokens)

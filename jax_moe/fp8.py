@@ -14,8 +14,9 @@ The math of an FP8 expert layer (DeepSeek-V3's inference recipe): the rows enter
 projection are quantised per 1 x 128 group of a row (``quantize_rows``), both operands are
 dequantised exactly, and the product is accumulated in float32 and rounded to the rows' dtype;
 SwiGLU's activation between the projections is float32, rounded to the rows' dtype.
-``gemm.fp8_forward`` runs it on the GPU (CUTLASS's blockwise-scaled FP8 grouped GEMM, at every
-row count) and elsewhere as ``gemm.fp8_dequantized_matmul``. Gradients reach the rows only, as if
+``gemm.fp8_swiglu_forward`` runs both projections on the GPU in one call (CUTLASS's
+blockwise-scaled FP8 grouped GEMM, at every row count; ``gemm.fp8_forward`` is one projection) and
+elsewhere as ``gemm.fp8_swiglu_dequantized``. Gradients reach the rows only, as if
 the quantisation of the rows were the identity (FP8 experts are for inference).
 """
 

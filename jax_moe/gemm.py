@@ -443,21 +443,23 @@ def _fp8_grouped_matmul_call(rows, weights_nk, scale_nk, offsets, workspace, num
     return fence_results(call(rows, weights_nk, scale_nk, offsets, workspace, tile_rows=np.int64(tile_rows)))
 
 
-def _check_fp8_forward(rows, weights_nk, scale_nk, offsets, num_rows):
-    """Trace-time ValueErrors for ``fp8_forward``'s operands."""
-    op = "fp8_forward"
+def _check_fp8_forward(rows, weights_nk, scale_nk, offsets, num_rows, op: str = "fp8_forward",
+                       names: tuple[str, str, str] = ("rows", "weights_nk", "scale_nk")):
+    """Trace-time ValueErrors for ``fp8_forward``'s operands (``op``'s, named ``names``)."""
+    rows_name, weights_name, scale_name = names
     if jnp.ndim(weights_nk) != 3 or jnp.dtype(weights_nk.dtype) != jnp.dtype(fp8.FP8):
-        raise ValueError(f"{op}: weights_nk: expected float8_e4m3fn [El, N, K], got {weights_nk.dtype} "
+        raise ValueError(f"{op}: {weights_name}: expected float8_e4m3fn [El, N, K], got {weights_nk.dtype} "
                          f"{tuple(jnp.shape(weights_nk))}")
     num_groups, n, k = weights_nk.shape
     if k % fp8.BLOCK:
-        raise ValueError(f"{op}: weights_nk: expected K a multiple of {fp8.BLOCK} (the rows are quantised per "
+        raise ValueError(f"{op}: {weights_name}: expected K a multiple of {fp8.BLOCK} (the rows are quantised per "
                          f"1 x {fp8.BLOCK} group), got K={k}")
     if jnp.ndim(rows) != 2 or rows.shape[1] != k:
-        raise ValueError(f"{op}: rows: expected [R, K={k}], got {tuple(jnp.shape(rows))}")
+        raise ValueError(f"{op}: {rows_name}: expected [R, K={k}], got {tuple(jnp.shape(rows))}")
     want = (num_groups, fp8.num_blocks(n), fp8.num_blocks(k))
     if tuple(jnp.shape(scale_nk)) != want or jnp.dtype(scale_nk.dtype) != jnp.float32:
-        raise ValueError(f"{op}: scale_nk: expected float32 {want}, got {scale_nk.dtype} {tuple(jnp.shape(scale_nk))}")
+        raise ValueError(f"{op}: {scale_name}: expected float32 {want}, got {scale_nk.dtype} "
+                         f"{tuple(jnp.shape(scale_nk))}")
     if tuple(jnp.shape(offsets)) != (num_groups + 1,) or jnp.dtype(offsets.dtype) != jnp.int32:
         raise ValueError(f"{op}: offsets: expected int32 [{num_groups + 1}], got {offsets.dtype} "
                          f"{tuple(jnp.shape(offsets))}")
@@ -513,15 +515,17 @@ def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, 
     Args as ``fp8_forward``'s (rows [R, H] bf16, both projections' FP8 weights [El, out, in] and
     float32 scales [El, out/128, in/128], H and F multiples of 128). Returns ``([num_rows, H], workspace)``.
     """
-    _check_fp8_forward(rows, gate_up, gate_up_scale, offsets, num_rows)
+    op = "fp8_swiglu_forward"
+    _check_fp8_forward(rows, gate_up, gate_up_scale, offsets, num_rows, op, ("rows", "gate_up", "gate_up_scale"))
     num_groups, two_f, hidden_size = gate_up.shape
     if jnp.shape(down) != (num_groups, hidden_size, two_f // 2):
-        raise ValueError(f"fp8_swiglu_forward: down: expected [El, H, F] = {(num_groups, hidden_size, two_f // 2)} "
+        raise ValueError(f"{op}: down: expected [El, H, F] = {(num_groups, hidden_size, two_f // 2)} "
                          f"(gate_up is [El, 2F, H] = {tuple(gate_up.shape)}), got {tuple(jnp.shape(down))}")
-    _check_fp8_forward(jax.ShapeDtypeStruct((0, two_f // 2), rows.dtype), down, down_scale, offsets, 0)
+    _check_fp8_forward(jax.ShapeDtypeStruct((0, two_f // 2), rows.dtype), down, down_scale, offsets, 0, op,
+                       ("the activation", "down", "down_scale"))
     tile_rows = fp8_tile_rows(num_rows, num_groups) if tile_rows is None else tile_rows
     if tile_rows not in FP8_TILE_ROWS:
-        raise ValueError(f"fp8_swiglu_forward: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
+        raise ValueError(f"{op}: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
 
     def fallback(r, gu, gus, d, ds, o, ws):
         return fp8_swiglu_dequantized(r, gu, gus, d, ds, o, num_rows), ws

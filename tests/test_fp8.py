@@ -125,6 +125,24 @@ def test_fp8_shared_params_are_checked():
             jax_moe.moe_layer(bad, x, init_scratch(config))
 
 
+def test_fp8_swiglu_forward_names_bad_operands():
+    gu = fp8.quantize(jnp.ones((2, 256, 128)))
+    dn = fp8.quantize(jnp.ones((2, 128, 128)))
+    rows, offsets, ws = jnp.zeros((4, 128), BF16), jnp.asarray([0, 2, 4], jnp.int32), gemm.fp8_workspace(2)
+    cases = [
+        ((rows, gu[0].astype(BF16), gu[1], *dn), "fp8_swiglu_forward: gate_up: expected float8_e4m3fn [El, N, K]"),
+        ((rows, gu[0], gu[1][:, :1], *dn), "fp8_swiglu_forward: gate_up_scale: expected float32 (2, 2, 1)"),
+        ((rows, *gu, dn[0][:, :, :64], dn[1]), "fp8_swiglu_forward: down: expected [El, H, F] = (2, 128, 128)"),
+        ((rows, *gu, dn[0], dn[1][:1]), "fp8_swiglu_forward: down_scale: expected float32 (2, 1, 1)"),
+        ((rows[:, :64], *gu, *dn), "fp8_swiglu_forward: rows: expected [R, K=128]"),
+    ]
+    for operands, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            gemm.fp8_swiglu_forward(*operands, offsets, ws, 4)
+    with pytest.raises(ValueError, match=re.escape("fp8_swiglu_forward: tile_rows: expected one of (64, 128)")):
+        gemm.fp8_swiglu_forward(rows, *gu, *dn, offsets, ws, 4, tile_rows=32)
+
+
 def test_fp8_stack_is_near_the_dequantized_stack():
     """Within the rows' quantisation error of the dequantised params' stack; the pure-JAX baseline
     takes FP8 params too (its experts are swiglu_experts: the same FP8 math)."""
