@@ -2,7 +2,8 @@
 // the library (grouped_gemm_fp8.cu) and the configuration probe (fp8_tile_bench.cu). The setup
 // kernel writes, per group, the problem shape, the operand and scale pointers, the strides and the
 // scale layouts (cute layouts built on the device from the group's rows); then CUTLASS's
-// KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise runs.
+// KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise runs. It defines the setup
+// kernel: one translation unit per binary includes it.
 #ifndef JAX_MOE_GROUPED_GEMM_FP8_IMPL_CUH_
 #define JAX_MOE_GROUPED_GEMM_FP8_IMPL_CUH_
 
