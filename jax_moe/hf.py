@@ -285,15 +285,6 @@ def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = Fal
     np_dtype = np.dtype(dtype)
     expert_dtype = np.dtype(ml_dtypes.float8_e4m3fn) if keep_fp8 else np_dtype
     params = {"router": np.empty((L, H, E), np_dtype)}
-    if keep_fp8:  # the checkpoint's [out, in] layout (jax_moe.fp8), gate rows then up rows
-        blocks_h, blocks_f = fp8.num_blocks(H), fp8.num_blocks(F)
-        params["gate_up"] = np.empty((L, E, 2 * F, H), expert_dtype)
-        params["down"] = np.empty((L, E, H, F), expert_dtype)
-        params["gate_up" + fp8.SCALE_SUFFIX] = np.empty((L, E, 2 * blocks_f, blocks_h), np.float32)
-        params["down" + fp8.SCALE_SUFFIX] = np.empty((L, E, blocks_h, blocks_f), np.float32)
-    else:
-        params["gate_up"] = np.empty((L, E, H, 2 * F), expert_dtype)
-        params["down"] = np.empty((L, E, F, H), expert_dtype)
 
     def scales(name: str, out_f: int, in_f: int) -> np.ndarray:
         return tensors.get(name + ".weight_scale_inv", (fp8.num_blocks(out_f), fp8.num_blocks(in_f)))
@@ -312,61 +303,62 @@ def _read_params(tensors: _Tensors, layout: _Layout, dtype, keep_fp8: bool = Fal
             raise ValueError(f"load_moe: tensor {name + '.weight'!r}: expected F8_E4M3 (quantization_config "
                              f"says FP8), got {weight.dtype}; pass experts_fp8=False")
         return weight, scales(name, out_f, in_f)
+
+    def allocate_swiglu(key: str, lead: tuple[int, ...], width: int) -> None:
+        """``params[key + "gate_up"]`` and ``[key + "down"]`` for SwiGLU experts of this width: the
+        checkpoint's [out, in] ([.., 2w, H], [.., H, w]) with their scale grids when FP8 is kept
+        (jax_moe.fp8), else [in, out] ([.., H, 2w], [.., w, H])."""
+        if keep_fp8:
+            blocks_h, blocks_w = fp8.num_blocks(H), fp8.num_blocks(width)
+            params[key + "gate_up"] = np.empty(lead + (2 * width, H), expert_dtype)
+            params[key + "down"] = np.empty(lead + (H, width), expert_dtype)
+            params[key + "gate_up" + fp8.SCALE_SUFFIX] = np.empty(lead + (2 * blocks_w, blocks_h), np.float32)
+            params[key + "down" + fp8.SCALE_SUFFIX] = np.empty(lead + (blocks_h, blocks_w), np.float32)
+        else:
+            params[key + "gate_up"] = np.empty(lead + (H, 2 * width), expert_dtype)
+            params[key + "down"] = np.empty(lead + (width, H), expert_dtype)
+
+    def read_swiglu(prefix: str, names: tuple[str, str, str], width: int, key: str, index: tuple[int, ...]) -> None:
+        """One SwiGLU expert's gate, up and down Linears into ``params[key + ...][index]``: as stored
+        when FP8 is kept (gate rows above up rows, and so their scale grids), else dequantised and
+        transposed to [in, out] (gate columns, then up)."""
+        gate_up, blocks = params[key + "gate_up"][index], fp8.num_blocks(width)  # a view: written in place
+        for part, name in enumerate(names[:2]):
+            if keep_fp8:
+                weight, scale = fp8_linear(prefix + name, width, H)
+                gate_up[part * width:(part + 1) * width] = weight
+                params[key + "gate_up" + fp8.SCALE_SUFFIX][index][part * blocks:(part + 1) * blocks] = scale
+            else:
+                gate_up[:, part * width:(part + 1) * width] = linear(prefix + name, width, H).T
+        if keep_fp8:
+            params[key + "down"][index], params[key + "down" + fp8.SCALE_SUFFIX][index] = fp8_linear(
+                prefix + names[2], H, width)
+        else:
+            params[key + "down"][index] = linear(prefix + names[2], H, width).T
+
+    allocate_swiglu("", (L, E), F)
     if layout.router_bias:
         params["router_bias"] = np.empty((L, E), np.float32)
-    if layout.shared_ffn and keep_fp8:  # as the routed experts: [out, in], gate rows then up rows
-        blocks_s = fp8.num_blocks(layout.shared_ffn)
-        params["shared_gate_up"] = np.empty((L, 2 * layout.shared_ffn, H), expert_dtype)
-        params["shared_down"] = np.empty((L, H, layout.shared_ffn), expert_dtype)
-        params["shared_gate_up" + fp8.SCALE_SUFFIX] = np.empty((L, 2 * blocks_s, fp8.num_blocks(H)), np.float32)
-        params["shared_down" + fp8.SCALE_SUFFIX] = np.empty((L, fp8.num_blocks(H), blocks_s), np.float32)
-    elif layout.shared_ffn:
-        params["shared_gate_up"] = np.empty((L, H, 2 * layout.shared_ffn), np_dtype)
-        params["shared_down"] = np.empty((L, layout.shared_ffn, H), np_dtype)
+    if layout.shared_ffn:
+        allocate_swiglu("shared_", (L,), layout.shared_ffn)
     if layout.shared_gate:
         params["shared_gate"] = np.empty((L, H, 1), np_dtype)
-    gate_name, up_name, down_name = layout.expert_names
     for i, layer in enumerate(layout.moe_layers):
         block = f"{layout.prefix}layers.{layer}.{layout.block}."
         # transformers' Linear weights are [out, in]; moe_stack multiplies x [T, in] @ w [in, out].
         params["router"][i] = linear(block + "gate", E, H).T  # (an FP8 checkpoint's router is dequantised)
         if layout.router_bias:
             params["router_bias"][i] = tensors.get(block + "gate.e_score_correction_bias", (E,))
-        if keep_fp8:  # as stored, [out, in]: gate rows above up rows, and so their scale grids
-            for e in range(E):
-                expert = f"{block}experts.{e}."
-                for part, name in ((0, gate_name), (1, up_name)):
-                    weight, scale = fp8_linear(expert + name, F, H)
-                    params["gate_up"][i, e, part * F:(part + 1) * F] = weight
-                    params["gate_up" + fp8.SCALE_SUFFIX][i, e, part * blocks_f:(part + 1) * blocks_f] = scale
-                weight, scale = fp8_linear(expert + down_name, H, F)
-                params["down"][i, e] = weight
-                params["down" + fp8.SCALE_SUFFIX][i, e] = scale
-        elif block + "experts.gate_up_proj" in tensors:  # fused: [E, 2F, H] (gate rows first), [E, H, F]
+        # transformers 5's fused experts: [E, 2F, H] (gate rows first), [E, H, F]; else one per expert.
+        if not keep_fp8 and block + "experts.gate_up_proj" in tensors:
             params["gate_up"][i] = tensors.get(block + "experts.gate_up_proj", (E, 2 * F, H)).transpose(0, 2, 1)
             params["down"][i] = tensors.get(block + "experts.down_proj", (E, H, F)).transpose(0, 2, 1)
         else:
             for e in range(E):
-                expert = f"{block}experts.{e}."
-                params["gate_up"][i, e, :, :F] = linear(expert + gate_name, F, H).T
-                params["gate_up"][i, e, :, F:] = linear(expert + up_name, F, H).T
-                params["down"][i, e] = linear(expert + down_name, H, F).T
+                read_swiglu(f"{block}experts.{e}.", layout.expert_names, F, "", (i, e))
         if layout.shared_ffn:
             shared = block + ("shared_experts." if layout.router_bias else "shared_expert.")
-            Fs = layout.shared_ffn
-            if keep_fp8:
-                blocks_s = fp8.num_blocks(Fs)
-                for part, name in ((0, "gate_proj"), (1, "up_proj")):
-                    weight, scale = fp8_linear(shared + name, Fs, H)
-                    params["shared_gate_up"][i, part * Fs:(part + 1) * Fs] = weight
-                    params["shared_gate_up" + fp8.SCALE_SUFFIX][i, part * blocks_s:(part + 1) * blocks_s] = scale
-                weight, scale = fp8_linear(shared + "down_proj", H, Fs)
-                params["shared_down"][i] = weight
-                params["shared_down" + fp8.SCALE_SUFFIX][i] = scale
-            else:
-                params["shared_gate_up"][i, :, :Fs] = linear(shared + "gate_proj", Fs, H).T
-                params["shared_gate_up"][i, :, Fs:] = linear(shared + "up_proj", Fs, H).T
-                params["shared_down"][i] = linear(shared + "down_proj", H, Fs).T
+            read_swiglu(shared, ("gate_proj", "up_proj", "down_proj"), layout.shared_ffn, "shared_", (i,))
         if layout.shared_gate:
             params["shared_gate"][i] = linear(block + "shared_expert_gate", 1, H).T
     return params
