@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "bf16_vector.cuh"
 #include "decode_gemm.h"
+#include "fp8_quantize.cuh"
 
 namespace jax_moe {
 namespace {
@@ -295,6 +297,305 @@ cudaError_t LaunchGated(const DecodeGemmArgs& args, cudaStream_t stream) {
   return wide_blocks > kWaveBlocks ? LaunchRows<16, kGated>(args, stream) : LaunchRows<8, kGated>(args, stream);
 }
 
+
+// ---- FP8 experts (LaunchFp8DecodeSwiglu) ----
+// Grid: x = a run of units_per_block 16-row weight tiles (gate/up: a tile of gate rows and the
+// matching tile of up rows), y = a slot as above. The block stages its pass's rows quantised in
+// shared memory; its 8 warps split into units_per_block units of 8 / units_per_block warps, which
+// split the unit's K blocks. Each warp streams its tiles' K blocks through its own ring of
+// `stages` shared-memory slots (cp.async: the next blocks' bytes stay in flight while it multiplies
+// one) and keeps float32 sums as mma.sync C fragments: per 128-deep K block, four m16n8k32
+// products into zeros, then sum += part * w_scale * row_scale.
+// Operands: lane (g = lane / 4, t = lane % 4) takes 16 weight bytes of rows g and g + 8 at t * 16
+// and at 64 + t * 16 in the K block, and the staged row's bytes at the same offsets: with the same
+// permutation of K in both operands, the fragments need no shuffle (product j takes bytes 8j..8j+7
+// of the lane's 32).
+constexpr int kFp8TileRows = 16;
+constexpr int kFp8Block = 128;
+constexpr int kFp8TileBytes = kFp8TileRows * kFp8Block;  // one tile's K block: 2 KB
+constexpr int kFp8RowPad = 64;  // bytes after each staged row: a quarter warp's 16-byte reads (rows g, g + 1) miss each other's banks
+constexpr int kStageLoads = 2;  // row loads per thread in flight while staging
+// Slots a warp's ring holds: 2 by default (measured on the H200 against 4, which leaves one block
+// an SM: DeepSeek-V3's shared expert at T = 1 23.8 vs 24.8 us, Qwen3-30B's experts at T = 16
+// 140 vs 194 us); JAX_MOE_FP8_DECODE_STAGES up to kFp8MaxStages.
+constexpr int kFp8DefaultStages = 2;
+constexpr int kFp8MaxStages = 4;
+constexpr int64_t kSmemBytes = 227 * 1024;  // an H100/H200 block's shared memory
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))), "l"(global));
+}
+__device__ __forceinline__ void CpAsync4(void* smem, const void* global) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
+               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))), "l"(global));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;"); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_group %0;" :: "n"(kPending)); }
+
+// A slot's 16-byte chunk c of tile row r sits at chunk c ^ 4 in odd rows: a quarter warp's reads
+// (rows g and g + 1, chunks t or 4 + t) then fall in distinct banks.
+__device__ __forceinline__ int SlotOffset(int row, int chunk) { return row * kFp8Block + ((chunk ^ ((row & 1) << 2)) << 4); }
+
+__device__ __forceinline__ void MmaE4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One K block of one 16-row tile against one 8-row slice of the staged rows: a = rows g, g + 8
+// (32 bytes each: a[0..1] row g, a[2..3] row g + 8), b = row g of the slice (the same 32 bytes of K).
+__device__ __forceinline__ void MmaBlock(float (&c)[4], const uint4 (&a)[4], const uint4 (&b)[2]) {
+  c[0] = c[1] = c[2] = c[3] = 0.0f;
+  MmaE4m3(c, a[0].x, a[2].x, a[0].y, a[2].y, b[0].x, b[0].y);
+  MmaE4m3(c, a[0].z, a[2].z, a[0].w, a[2].w, b[0].z, b[0].w);
+  MmaE4m3(c, a[1].x, a[3].x, a[1].y, a[3].y, b[1].x, b[1].y);
+  MmaE4m3(c, a[1].z, a[3].z, a[1].w, a[3].w, b[1].z, b[1].w);
+}
+
+struct Fp8DecodeGemmArgs {
+  const Bf16* rows;         // [>= out_rows, K]
+  const uint8_t* weights;   // [El, N, K] e4m3
+  const float* scale;       // [El, N / 128, K / 128]
+  const int32_t* expert_offsets;
+  Bf16* out;                // [out_rows, gated ? N / 2 : N]
+  int64_t out_rows, num_groups, k, n;
+  int units_per_block, stages;
+};
+
+// Shared memory, dynamic: the pass's rows quantised [kRows][K + pad] bytes and their scales
+// [kRows][K / 128] (Fp8StagingBytes), then each warp's ring of `stages` slots: kTiles K blocks of
+// its tiles and their kTiles weight scales (Fp8SlotBytes).
+__host__ __device__ constexpr int64_t Fp8SlotBytes(int tiles) { return tiles * kFp8TileBytes + 16; }
+__host__ __device__ inline int64_t Fp8StagingBytes(int64_t rows, int64_t k) { return (rows * (k + kFp8RowPad) + rows * (k / kFp8Block) * 4 + 15) / 16 * 16; }
+
+template <bool kGated, int kSlices>
+__global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs p) {
+  constexpr int kTiles = kGated ? 2 : 1;  // weight tiles per unit: gate and up, or one
+  constexpr int kRows = 8 * kSlices;      // rows per pass
+  constexpr int64_t kSlot = Fp8SlotBytes(kTiles);
+  extern __shared__ __align__(16) uint8_t staged[];
+  __shared__ float partial[kWarps][kTiles][kSlices][4][32];
+
+  const int64_t k = p.k, n = p.n, blocks_k = k / kFp8Block;
+  const int64_t stride = k + kFp8RowPad;
+  float* row_scale = reinterpret_cast<float*>(staged + kRows * stride);
+  const int stages = p.stages;
+  uint8_t* ring = staged + Fp8StagingBytes(kRows, k) + (threadIdx.x >> 5) * stages * kSlot;
+  const int64_t out_width = kGated ? n / 2 : n;
+  const int64_t tiles = out_width / kFp8TileRows;
+  const int out_rows = static_cast<int>(p.out_rows);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int warps_per_unit = kWarps / p.units_per_block;
+  const int unit = warp / warps_per_unit, part = warp % warps_per_unit;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) * p.units_per_block + unit;
+  const bool tile_ok = tile < tiles;
+  const int64_t block_begin = part * blocks_k / warps_per_unit, block_end = (part + 1) * blocks_k / warps_per_unit;
+
+  // Rows past the live count are in no group: zero them (slot 0's blocks, their own columns).
+  if (!kGated && blockIdx.y == 0) {
+    const int live = Clamp(p.expert_offsets[p.num_groups], 0, out_rows);
+    const int64_t col0 = static_cast<int64_t>(blockIdx.x) * p.units_per_block * kFp8TileRows;
+    const int64_t cols_left = n - col0, cols = cols_left < p.units_per_block * kFp8TileRows ? cols_left
+                                                                                          : p.units_per_block * kFp8TileRows;
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(out_rows - live) * cols; i += kThreads)
+      p.out[(live + i / cols) * n + col0 + i % cols] = __float2bfloat16_rn(0.0f);
+  }
+  const Group group = FindGroup(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, blockIdx.y);
+  if (group.index < 0) return;
+
+  // The lane's copies: 16-byte chunk (lane % 8) of tile rows lane / 8 + 4j, j < 4, of each tile; and
+  // lane i < kTiles copies tile i's weight scale (the up tile's rows start F rows on).
+  const int64_t row0 = (tile_ok ? tile : 0) * kFp8TileRows;
+  const int copy_row = lane >> 3, copy_chunk = lane & 7;
+  const uint8_t* copy_src = p.weights + (group.index * n + row0 + copy_row) * k + copy_chunk * 16;
+  const float* scale_src = p.scale + (group.index * (n / kFp8Block) + (row0 + (lane == 1 ? out_width : 0)) / kFp8Block) * blocks_k;
+  auto issue = [&](int64_t kb, int slot) {
+    uint8_t* dst = ring + slot * kSlot;
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        CpAsync16(dst + i * kFp8TileBytes + SlotOffset(copy_row + 4 * j, copy_chunk),
+                  copy_src + (i * out_width + 4 * j) * k + kb * kFp8Block);
+    if (lane < kTiles) CpAsync4(dst + kTiles * kFp8TileBytes + lane * 4, scale_src + kb);
+  };
+  auto wait = [&]() {  // until the oldest of the `stages` groups in flight has landed
+    if (stages >= 4) CpAsyncWait<3>();
+    else if (stages == 3) CpAsyncWait<2>();
+    else CpAsyncWait<1>();
+  };
+  const int64_t count = tile_ok ? block_end - block_begin : 0;
+
+  for (int first = group.start; first < group.end; first += kRows) {
+    const int rows_now = min(kRows, group.end - first);
+    // The ring's first stages - 1 K blocks in flight while the rows are staged.
+    for (int s = 0; s < stages - 1; ++s) {
+      if (s < count) issue(block_begin + s, s);
+      CpAsyncCommit();
+    }
+    // Stage the pass's rows quantised (jax_moe.fp8.quantize_rows' bytes), kStageLoads pieces of 8
+    // values per thread in flight. Staged rows past rows_now keep stale bytes: each output column
+    // of the products depends on its own row alone, and those columns are never stored.
+    const int64_t pieces_per_row = k / 8, pieces = rows_now * pieces_per_row;
+    const int64_t padded = (pieces + 31) / 32 * 32;  // whole warps reach QuantizeGroupPiece's shuffles
+    for (int64_t base = 0; base < padded; base += kStageLoads * kThreads) {
+      uint4 raw[kStageLoads];
+#pragma unroll
+      for (int u = 0; u < kStageLoads; ++u) {
+        const int64_t piece = base + u * kThreads + threadIdx.x;
+        const int r = static_cast<int>(piece / pieces_per_row);
+        raw[u] = piece < pieces ? __ldg(reinterpret_cast<const uint4*>(p.rows + (first + r) * k) +
+                                        (piece - r * pieces_per_row))
+                                : uint4{};
+      }
+#pragma unroll
+      for (int u = 0; u < kStageLoads; ++u) {
+        const int64_t piece = base + u * kThreads + threadIdx.x;
+        if (base + u * kThreads + warp * 32 >= padded) break;  // warp-uniform
+        float v[8];
+        Unpack(raw[u], v);
+        uint2 packed;
+        const float s = QuantizeGroupPiece(v, &packed);
+        if (piece >= pieces) continue;
+        const int r = static_cast<int>(piece / pieces_per_row);
+        const int64_t col = (piece - r * pieces_per_row) * 8;
+        *reinterpret_cast<uint2*>(staged + r * stride + col) = packed;
+        if (col % kFp8Block == 0) row_scale[r * blocks_k + col / kFp8Block] = s;
+      }
+    }
+    __syncthreads();
+
+    float sum[kTiles][kSlices][4] = {};
+    for (int64_t it = 0; it < count; ++it) {
+      const int64_t next = it + stages - 1;
+      if (next < count) issue(block_begin + next, static_cast<int>(next % stages));
+      CpAsyncCommit();
+      wait();
+      __syncwarp();  // every lane's copies of block `it` are visible to the warp
+      const uint8_t* slot = ring + (it % stages) * kSlot;
+      const int64_t kb = block_begin + it;
+#pragma unroll
+      for (int sl = 0; sl < kSlices; ++sl) {
+        const uint8_t* x = staged + (sl * 8 + g) * stride + kb * kFp8Block + t * 16;
+        const uint4 b[2] = {*reinterpret_cast<const uint4*>(x), *reinterpret_cast<const uint4*>(x + 64)};
+        const float xs0 = row_scale[(sl * 8 + 2 * t) * blocks_k + kb];
+        const float xs1 = row_scale[(sl * 8 + 2 * t + 1) * blocks_k + kb];
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          const uint8_t* tile_bytes = slot + i * kFp8TileBytes;
+          const uint4 a[4] = {*reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g, t)),
+                              *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g, 4 + t)),
+                              *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g + 8, t)),
+                              *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g + 8, 4 + t))};
+          const float ws = reinterpret_cast<const float*>(slot + kTiles * kFp8TileBytes)[i];
+          float c[4];
+          MmaBlock(c, a, b);
+          sum[i][sl][0] = __fmaf_rn(c[0], __fmul_rn(ws, xs0), sum[i][sl][0]);
+          sum[i][sl][1] = __fmaf_rn(c[1], __fmul_rn(ws, xs1), sum[i][sl][1]);
+          sum[i][sl][2] = __fmaf_rn(c[2], __fmul_rn(ws, xs0), sum[i][sl][2]);
+          sum[i][sl][3] = __fmaf_rn(c[3], __fmul_rn(ws, xs1), sum[i][sl][3]);
+        }
+      }
+      __syncwarp();  // the slot is read before a later iteration's copies overwrite it
+    }
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+      for (int sl = 0; sl < kSlices; ++sl)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) partial[warp][i][sl][c][lane] = sum[i][sl][c];
+    __syncthreads();
+    // The unit's first warp sums its warps' parts in order and writes the unit's tile.
+    if (part == 0 && tile_ok) {
+#pragma unroll
+      for (int sl = 0; sl < kSlices; ++sl)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int row = sl * 8 + 2 * t + (c & 1);  // C fragment: c0, c1 at weight row g, c2, c3 at g + 8
+          const int64_t col = tile * kFp8TileRows + g + (c >> 1) * 8;
+          float total[kTiles];
+#pragma unroll
+          for (int i = 0; i < kTiles; ++i) {
+            total[i] = 0.0f;
+            for (int q = 0; q < warps_per_unit; ++q) total[i] = __fadd_rn(total[i], partial[warp + q][i][sl][c][lane]);
+          }
+          float result = total[0];
+          if constexpr (kGated) {
+            // As LaunchSwigluQuantize: gate and up rounded to bf16, silu(gate) * up in float32.
+            const float gate = __bfloat162float(__float2bfloat16_rn(total[0]));
+            const float up = __bfloat162float(__float2bfloat16_rn(total[kTiles - 1]));
+            result = gate / (1.0f + expf(-gate)) * up;
+          }
+          if (row < rows_now) p.out[static_cast<int64_t>(first + row) * out_width + col] = __float2bfloat16_rn(result);
+        }
+    }
+    __syncthreads();  // before the next pass restages the rows and rewrites `partial`
+  }
+}
+
+// Warps per unit: as many as leave each at least 4 K blocks (DeepSeek-V3's gate/up, 56 blocks: 8
+// warps on one tile pair; its down projection, 16 blocks: 4 warps per tile, 2 tiles a block).
+int Fp8UnitsPerBlock(int64_t blocks_k) {
+  int warps = kWarps;
+  while (warps > 1 && blocks_k / warps < 4) warps /= 2;
+  return kWarps / warps;
+}
+
+// Dynamic shared memory of a launch with `stages` slots a warp.
+template <bool kGated, int kSlices>
+int64_t Fp8DecodeSmem(int64_t k, int stages) {
+  return Fp8StagingBytes(8 * kSlices, k) + kWarps * stages * Fp8SlotBytes(kGated ? 2 : 1);
+}
+template <bool kGated, int kSlices>
+constexpr int64_t kFp8PartialBytes = kWarps * (kGated ? 2 : 1) * kSlices * 4 * 32 * 4;
+
+// The deepest ring (up to the cap, at least 2) that fits beside the staged rows, or 0. The cap is
+// kFp8DefaultStages, or JAX_MOE_FP8_DECODE_STAGES (2 to 4: a knob for measuring the ring), read once.
+int Fp8StagesCap() {
+  static const int cap = [] {
+    const char* value = std::getenv("JAX_MOE_FP8_DECODE_STAGES");
+    const int v = value ? std::atoi(value) : kFp8DefaultStages;
+    return v >= 2 && v <= kFp8MaxStages ? v : kFp8DefaultStages;
+  }();
+  return cap;
+}
+
+template <bool kGated, int kSlices>
+int Fp8Stages(int64_t k) {
+  for (int stages = Fp8StagesCap(); stages >= 2; --stages)
+    if (Fp8DecodeSmem<kGated, kSlices>(k, stages) + kFp8PartialBytes<kGated, kSlices> + 1024 <= kSmemBytes) return stages;
+  return 0;
+}
+
+template <bool kGated, int kSlices>
+cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, cudaStream_t stream) {
+  args.stages = Fp8Stages<kGated, kSlices>(args.k);
+  if (args.stages == 0) return cudaErrorInvalidValue;
+  const size_t smem = static_cast<size_t>(Fp8DecodeSmem<kGated, kSlices>(args.k, args.stages));
+  auto kernel = Fp8DecodeKernel<kGated, kSlices>;
+  // Past 48 KB of shared memory, static `partial` included, the dynamic part needs the opt-in.
+  const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  static_cast<int>(smem));
+  if (status != cudaSuccess) return status;
+  const int64_t tiles = (kGated ? args.n / 2 : args.n) / kFp8TileRows;
+  const dim3 grid(static_cast<unsigned>((tiles + args.units_per_block - 1) / args.units_per_block),
+                  static_cast<unsigned>(std::min(args.num_groups, args.out_rows)));
+  kernel<<<grid, kThreads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+// 16 rows a pass where their staging and a ring fit (K up to about 11,000), else 8.
+template <bool kGated>
+cudaError_t LaunchFp8DecodeRows(const Fp8DecodeGemmArgs& args, int rows_per_pass, cudaStream_t stream) {
+  return rows_per_pass == 16 && Fp8Stages<kGated, 2>(args.k) > 0 ? LaunchFp8Decode<kGated, 2>(args, stream)
+                                                                  : LaunchFp8Decode<kGated, 1>(args, stream);
+}
+
 }  // namespace
 
 cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream) {
@@ -303,6 +604,35 @@ cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (args.out_rows == 0) return cudaSuccess;
   return args.gated ? LaunchGated<true>(args, stream) : LaunchGated<false>(args, stream);
+}
+
+}  // namespace jax_moe
+
+namespace jax_moe {
+
+cudaError_t LaunchFp8DecodeSwiglu(const Fp8DecodeSwigluArgs& args, cudaStream_t stream) {
+  if (args.hidden % kFp8Block != 0 || args.ffn % kFp8Block != 0 || args.hidden > kFp8DecodeMaxK ||
+      args.ffn > kFp8DecodeMaxK || args.num_groups < 1 || args.num_groups > 65535 || args.out_rows < 0 ||
+      args.out_rows > (int64_t{1} << 30) || (args.rows_per_pass != 8 && args.rows_per_pass != 16))
+    return cudaErrorInvalidValue;
+  if (args.out_rows == 0) return cudaSuccess;
+  Fp8DecodeGemmArgs gemm{};
+  gemm.rows = static_cast<const Bf16*>(args.rows);
+  gemm.weights = static_cast<const uint8_t*>(args.gate_up);
+  gemm.scale = args.gate_up_scale;
+  gemm.expert_offsets = args.expert_offsets;
+  gemm.out = static_cast<Bf16*>(args.activation);
+  gemm.out_rows = args.out_rows, gemm.num_groups = args.num_groups, gemm.k = args.hidden, gemm.n = 2 * args.ffn;
+  gemm.units_per_block = Fp8UnitsPerBlock(gemm.k / kFp8Block);
+  cudaError_t status = LaunchFp8DecodeRows<true>(gemm, args.rows_per_pass, stream);
+  if (status != cudaSuccess) return status;
+  gemm.rows = static_cast<const Bf16*>(args.activation);
+  gemm.weights = static_cast<const uint8_t*>(args.down);
+  gemm.scale = args.down_scale;
+  gemm.out = static_cast<Bf16*>(args.out);
+  gemm.k = args.ffn, gemm.n = args.hidden;
+  gemm.units_per_block = Fp8UnitsPerBlock(gemm.k / kFp8Block);
+  return LaunchFp8DecodeRows<false>(gemm, args.rows_per_pass, stream);
 }
 
 }  // namespace jax_moe

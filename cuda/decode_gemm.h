@@ -7,7 +7,7 @@
 // SwiGLU activation folds into the gate/up product's epilogue. No workspace, no host sync, no
 // allocation; the groups are read on the device; the result is deterministic (fixed summation
 // order) and rows in no group come out zero.
-// (FP8 experts run on the FP8 grouped GEMM at every size: grouped_gemm_fp8.h.)
+// LaunchFp8DecodeSwiglu below is the same idea for FP8 experts, on FP8 tensor cores.
 #ifndef JAX_MOE_DECODE_GEMM_H_
 #define JAX_MOE_DECODE_GEMM_H_
 
@@ -31,6 +31,31 @@ struct DecodeGemmArgs {
 };
 
 cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream);
+
+// FP8 SwiGLU experts at decode: the FP8 grouped GEMM's math (grouped_gemm_fp8.h: rows quantised
+// per 1 x 128 group, block-scaled e4m3 weights [El, out, in], float32 partial sums scaled per
+// 128-deep K block) in two launches that stream each active expert's FP8 weights once over all
+// SMs: gate/up with SwiGLU's activation in its epilogue (activation [out_rows, F] bf16, the CUTLASS
+// path's rounding: gate and up to bf16, silu(gate) * up in float32 to bf16), then down. Each block
+// quantises its expert's rows into shared memory (the bytes of LaunchQuantizeRows) and feeds them
+// with the weights to mma.sync's m16n8k32 e4m3 product: weights as the 16-row A operand, up to
+// rows_per_pass rows as the B operand. No workspace, deterministic, rows in no group come out zero.
+struct Fp8DecodeSwigluArgs {
+  const void* rows;               // [>= out_rows, H] bf16, grouped by expert
+  const void* gate_up;            // [El, 2F, H] float8_e4m3fn
+  const float* gate_up_scale;     // [El, 2F / 128, H / 128]
+  const void* down;               // [El, H, F] float8_e4m3fn
+  const float* down_scale;        // [El, H / 128, F / 128]
+  const int32_t* expert_offsets;  // [El + 1]
+  void* activation;               // [out_rows, F] bf16 (a temporary the down product reads)
+  void* out;                      // [out_rows, H] bf16
+  int64_t out_rows, num_groups, hidden, ffn;  // H and F multiples of 128, at most kFp8DecodeMaxK
+  int rows_per_pass;                          // 8 or 16: rows of an expert per pass over its weights
+};
+
+constexpr int64_t kFp8DecodeMaxK = 16384;  // the rows of a pass are staged whole in shared memory
+
+cudaError_t LaunchFp8DecodeSwiglu(const Fp8DecodeSwigluArgs& args, cudaStream_t stream);
 
 }  // namespace jax_moe
 

@@ -441,6 +441,47 @@ ffi::Error Fp8SwigluExpertsImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::A
   return CudaStatus(LaunchFp8GroupedGemm(args, stream), "fp8_swiglu_experts: down");
 }
 
+// FP8 SwiGLU experts at decode (decode_gemm.h): the same operands and math as
+// Fp8SwigluExpertsImpl in two launches with no workspace; activation [out_rows, F] bf16 is the
+// call's temporary (silu(gate) * up, read by the down product).
+ffi::Error Fp8DecodeSwigluImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer gate_up,
+                               ffi::Buffer<ffi::F32> gate_up_scale, ffi::AnyBuffer down,
+                               ffi::Buffer<ffi::F32> down_scale, ffi::Buffer<ffi::S32> expert_offsets,
+                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> activation,
+                               int64_t rows_per_pass) {
+  const auto rd = rows.dimensions();
+  const auto gd = gate_up.dimensions();
+  const auto dd = down.dimensions();
+  const auto od = out->dimensions();
+  if (rd.size() != 2 || gd.size() != 3 || dd.size() != 3 || od.size() != 2 || rows.element_type() != ffi::BF16 ||
+      gate_up.element_type() != ffi::F8E4M3FN || down.element_type() != ffi::F8E4M3FN ||
+      out->element_type() != ffi::BF16 || activation->element_type() != ffi::BF16)
+    return InvalidArgument("fp8_decode_swiglu: expected bf16 rows, float8_e4m3fn experts, bf16 out");
+  const int64_t groups = gd[0], h = rd[1], f2 = gd[1], f = f2 / 2, out_rows = od[0];
+  if (gd[2] != h || dd[0] != groups || dd[1] != h || dd[2] != f || od[1] != h || out_rows > rd[0] ||
+      h % 128 != 0 || f % 128 != 0 || h > kFp8DecodeMaxK || f > kFp8DecodeMaxK ||
+      static_cast<int64_t>(gate_up_scale.element_count()) != groups * (f2 / 128) * (h / 128) ||
+      static_cast<int64_t>(down_scale.element_count()) != groups * (h / 128) * (f / 128) ||
+      static_cast<int64_t>(expert_offsets.element_count()) != groups + 1 ||
+      static_cast<int64_t>(activation->element_count()) != out_rows * f)
+    return InvalidArgument("fp8_decode_swiglu: expected rows [R, H], gate_up [El, 2F, H] and down [El, H, F] with "
+                           "their [.., out / 128, in / 128] scales, H and F multiples of 128 up to 16384, "
+                           "out [<= R, H], activation [out_rows, F]");
+  if (rows_per_pass != 8 && rows_per_pass != 16) return InvalidArgument("fp8_decode_swiglu: rows_per_pass must be 8 or 16");
+  Fp8DecodeSwigluArgs args;
+  args.rows = rows.untyped_data();
+  args.gate_up = gate_up.untyped_data();
+  args.gate_up_scale = gate_up_scale.typed_data();
+  args.down = down.untyped_data();
+  args.down_scale = down_scale.typed_data();
+  args.expert_offsets = expert_offsets.typed_data();
+  args.activation = activation->untyped_data();
+  args.out = out->untyped_data();
+  args.out_rows = out_rows, args.num_groups = groups, args.hidden = h, args.ffn = f;
+  args.rows_per_pass = static_cast<int>(rows_per_pass);
+  return CudaStatus(LaunchFp8DecodeSwiglu(args, stream), "fp8_decode_swiglu");
+}
+
 // SwiGLU's backward (swiglu_kernels.h). hidden [R, 2F], or with `stacked` a stack [L, ...] whose
 // slice `layer` (a scalar read on the device) holds the [R, 2F] product flattened at element
 // `offset`; d_activated [R, F]; row_weights [R] when weighted.
@@ -591,6 +632,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8GroupedMatmulCuda, jax_moe::Fp8GroupedMat
                                   .Ret<ffi::AnyBuffer>()               // q_rows [out_rows, K] (temporary)
                                   .Ret<ffi::Buffer<ffi::F32>>()        // row_scale [out_rows, K / 128] (temporary)
                                   .Attr<int64_t>("tile_rows"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8DecodeSwigluCuda, jax_moe::Fp8DecodeSwigluImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // rows [R, H], bf16
+                                  .Arg<ffi::AnyBuffer>()               // gate_up [El, 2F, H], float8_e4m3fn
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // gate_up_scale [El, 2F / 128, H / 128]
+                                  .Arg<ffi::AnyBuffer>()               // down [El, H, F], float8_e4m3fn
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // down_scale [El, H / 128, F / 128]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
+                                  .Ret<ffi::AnyBuffer>()               // out [out_rows, H], bf16
+                                  .Ret<ffi::AnyBuffer>()               // activation [out_rows, F] bf16 (temporary)
+                                  .Attr<int64_t>("rows_per_pass"),     // 8 or 16
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8SwigluExpertsCuda, jax_moe::Fp8SwigluExpertsImpl,

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "bf16_vector.cuh"
+#include "fp8_quantize.cuh"
 #include "grouped_gemm.h"
 #include "grouped_gemm_fp8.h"
 #include "grouped_gemm_fp8_impl.cuh"
@@ -18,28 +19,13 @@ namespace fp8gemm {
 using Rows128 = Cooperative<128, Cluster1x2>;
 using Rows64 = Pingpong<64, Cluster1x2>;
 
-// Half a warp per 1 x 128 group of a row: 16 lanes x 8 values. `thread` indexes the 8-value pieces
-// of the quantised rows, so a group's 16 pieces sit in one half warp and every lane of a warp must
-// reach the shuffles (lanes past the last group pass zeros, store nothing). The math is
-// jax_moe.fp8.quantize_rows' in IEEE float32 (no FMA, no approximate division), so the bytes equal
-// the CPU's: scale = max|x| * (1 / 448), q = rne_satfinite(x * (1 / scale)).
+// `thread` indexes the 8-value pieces of the quantised rows, so a group's 16 pieces sit in one half
+// warp (QuantizeGroupPiece); lanes past the last group pass zeros and store nothing.
 __device__ __forceinline__ void QuantizePiece(const float (&v)[8], int64_t thread, bool live, uint2* q, float* scale) {
-  constexpr float kInvFp8Max = 1.0f / 448.0f;
-  float most = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) most = fmaxf(most, fabsf(v[i]));
-#pragma unroll
-  for (int d = 8; d > 0; d >>= 1) most = fmaxf(most, __shfl_xor_sync(~0u, most, d));
-  const float s = most > 0.0f ? __fmul_rn(most, kInvFp8Max) : 1.0f;
-  const float inv = __fdiv_rn(1.0f, s);
-  uint32_t packed[2] = {0, 0};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 pair = make_float2(__fmul_rn(v[2 * i], inv), __fmul_rn(v[2 * i + 1], inv));
-    packed[i / 2] |= static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3)) << (16 * (i % 2));
-  }
+  uint2 packed;
+  const float s = QuantizeGroupPiece(v, &packed);
   if (!live) return;
-  q[thread] = make_uint2(packed[0], packed[1]);
+  q[thread] = packed;
   if ((thread & 15) == 0) scale[thread >> 4] = s;  // group = row * K / 128 + block: [R, K / 128] row-major
 }
 

@@ -481,6 +481,49 @@ def fp8_dequantized_matmul(rows, weights_nk, scale_nk, offsets, num_rows: int):
     return _ragged_dot(a, b, offsets).astype(rows.dtype)
 
 
+# The FP8 decode kernel (cuda/decode_gemm.h, LaunchFp8DecodeSwiglu): both projections in two
+# launches (the rows quantised in each block, SwiGLU in the gate/up epilogue), no quantisation,
+# setup or activation kernels between, no workspace. It streams the weights slower than CUTLASS's
+# FP8 GEMM (DeepSeek-V3's experts at T = 1, 352 MB: 158 vs 118 us) but starts faster, so it is
+# taken for small reads: owning experts expecting at most FP8_DECODE_MAX_ROWS_PER_EXPERT rows and,
+# together, at most FP8_DECODE_MAX_BYTES of weights (measured on the H200, kernel times per call:
+# DeepSeek-V3's shared expert at T = 1, 44 MB, 24 vs 43 us, and at T = 4, 31 vs 45; Qwen3-30B's
+# experts at T = 1, 38 MB, 21 vs 33 us; Qwen3.5-397B's at T = 1, 126 MB, 59 vs 65 us; Qwen3-30B's
+# at T = 16, 382 MB, 140 vs 122 us; the shared expert at T = 16, 66 vs 44 us:
+# notebooks/results/fp8_decode_kernel_h200.md).
+FP8_DECODE_MAX_ROWS_PER_EXPERT = 4.0
+FP8_DECODE_MAX_BYTES = 128e6
+FP8_DECODE_MAX_K = 16384
+FP8_DECODE_ROWS_PER_PASS = (8, 16)
+
+
+def fp8_decode_rows(num_rows: int, num_groups: int, hidden_size: int, ffn_size: int) -> int:
+    """``fp8_swiglu_forward``'s kernel for num_rows live rows over num_groups experts of sizes H, F:
+    the FP8 decode kernel's rows per pass over an expert's weights (8; 16 only when asked), or 0
+    for the CUTLASS FP8 grouped GEMM (more rows per expert or more bytes than the limits above, or
+    H or F past FP8_DECODE_MAX_K)."""
+    expected = expected_rows_per_expert(num_rows, num_groups)
+    owning = num_rows / expected if expected > 0 else 0.0
+    weight_bytes = owning * 3 * hidden_size * ffn_size
+    if (expected > FP8_DECODE_MAX_ROWS_PER_EXPERT or weight_bytes > FP8_DECODE_MAX_BYTES
+            or max(hidden_size, ffn_size) > FP8_DECODE_MAX_K):
+        return 0
+    return 8
+
+
+def _fp8_decode_swiglu_call(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows: int,
+                            rows_per_pass: int):
+    """The FP8 decode kernel's call: ``(out [num_rows, H], activation [num_rows, F])``, the second a
+    temporary (SwiGLU's activation in bf16, before the down product quantises it; tests read it)."""
+    hidden_size, f = rows.shape[1], down.shape[2]
+    call = jax.ffi.ffi_call(_native.FP8_DECODE_SWIGLU_TARGET,
+                            (jax.ShapeDtypeStruct((num_rows, hidden_size), rows.dtype),
+                             jax.ShapeDtypeStruct((num_rows, f), rows.dtype)),
+                            vmap_method="sequential")
+    return fence_results(call(rows, gate_up, gate_up_scale, down, down_scale, offsets,
+                              rows_per_pass=np.int64(rows_per_pass)))
+
+
 def _fp8_swiglu_experts_call(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows: int,
                              tile_rows: int):
     """The CUDA call of ``fp8_swiglu_forward``: ``(out, workspace, q_rows, row_scale, hidden, q_act,
@@ -506,14 +549,19 @@ def fp8_swiglu_dequantized(rows, gate_up, gate_up_scale, down, down_scale, offse
 
 
 def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows: int,
-                       tile_rows: int | None = None):
+                       tile_rows: int | None = None, decode_rows: int | None = None):
     """FP8 SwiGLU experts in one CUDA call: ``fp8_forward`` with ``gate_up`` [El, 2F, H], SwiGLU's
-    activation (float32, rounded to the rows' dtype) quantised per 1 x 128 group in the same kernel
-    that computes it, then ``fp8_forward`` with ``down`` [El, H, F]. The same math as those three
-    steps (``fp8_swiglu_dequantized`` off CUDA); one launch fewer and no bf16 activation in memory.
+    activation (float32, rounded to the rows' dtype) quantised per 1 x 128 group, then
+    ``fp8_forward`` with ``down`` [El, H, F]. The same math as those three steps
+    (``fp8_swiglu_dequantized`` off CUDA). With few rows per expert the call runs the FP8 decode
+    kernel (``fp8_decode_rows``): the same quantisations and block scales, float32 sums in another
+    order, two launches in all.
 
     Args as ``fp8_forward``'s (rows [R, H] bf16, both projections' FP8 weights [El, out, in] and
-    float32 scales [El, out/128, in/128], H and F multiples of 128). Returns ``([num_rows, H], workspace)``.
+    float32 scales [El, out/128, in/128], H and F multiples of 128), and decode_rows: 0 for the
+    CUTLASS GEMMs (tile_rows their row tile), 8 or 16 for the decode kernel with that many rows of
+    an expert per pass over its weights, None for ``fp8_decode_rows``' pick.
+    Returns ``([num_rows, H], workspace)``.
     """
     op = "fp8_swiglu_forward"
     _check_fp8_forward(rows, gate_up, gate_up_scale, offsets, num_rows, op, ("rows", "gate_up", "gate_up_scale"))
@@ -526,11 +574,21 @@ def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, 
     tile_rows = fp8_tile_rows(num_rows, num_groups) if tile_rows is None else tile_rows
     if tile_rows not in FP8_TILE_ROWS:
         raise ValueError(f"{op}: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
+    if decode_rows is None:
+        decode_rows = fp8_decode_rows(num_rows, num_groups, hidden_size, two_f // 2)
+    elif decode_rows not in (0,) + FP8_DECODE_ROWS_PER_PASS:
+        raise ValueError(f"{op}: decode_rows: expected 0 (the CUTLASS GEMMs), one of {FP8_DECODE_ROWS_PER_PASS} "
+                         f"(the decode kernel's rows per pass) or None, got {decode_rows!r}")
+    elif decode_rows and max(hidden_size, two_f // 2) > FP8_DECODE_MAX_K:
+        raise ValueError(f"{op}: decode_rows: the decode kernel takes H and F up to {FP8_DECODE_MAX_K}, "
+                         f"got H={hidden_size}, F={two_f // 2}")
 
     def fallback(r, gu, gus, d, ds, o, ws):
         return fp8_swiglu_dequantized(r, gu, gus, d, ds, o, num_rows), ws
 
     def native(*operands):
+        if decode_rows:
+            return _fp8_decode_swiglu_call(*operands[:6], num_rows, decode_rows)[0], operands[6]
         return _fp8_swiglu_experts_call(*operands, num_rows, tile_rows)[:2]
 
     operands = (rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace)

@@ -126,11 +126,19 @@ for num_tokens, ffn, hidden_size in ((1, 96, 264), (40, 1024, 264), (1, 768, 204
         # Both projections in one call (gate/up [El, 2F, H], down [El, H, F]; F = 128).
         down, down_scale = jax.jit(jax_moe.fp8.quantize)(rng.standard_normal((16, 256, 128)) / 16)
         swiglu_out, _ = jax.jit(lambda r, q, s, d, ds, o, ws: jax_moe.gemm.fp8_swiglu_forward(
-            r, q, s, d, ds, o, ws, config.capacity, tile))(rows, q, scale_inv, down, down_scale,
-                                                            scratch.expert_offsets, scratch.workspace)
+            r, q, s, d, ds, o, ws, config.capacity, tile, decode_rows=0))(rows, q, scale_inv, down, down_scale,
+                                                                          scratch.expert_offsets, scratch.workspace)
         print("fp8 swiglu T", num_tokens, "tile", tile,
               "finite", bool(np.isfinite(np.asarray(swiglu_out, np.float32)).all()),
               "rows past live zero", not np.asarray(swiglu_out[live:], np.float32).any())
+    # The FP8 decode kernel, both rows-per-pass variants (H 256: 2 scale blocks; F 128: 1).
+    for rows_per_pass in jax_moe.gemm.FP8_DECODE_ROWS_PER_PASS:
+        decode_out, _ = jax.jit(lambda r, q, s, d, ds, o, ws: jax_moe.gemm.fp8_swiglu_forward(
+            r, q, s, d, ds, o, ws, config.capacity, decode_rows=rows_per_pass))(
+            rows, q, scale_inv, down, down_scale, scratch.expert_offsets, scratch.workspace)
+        print("fp8 decode T", num_tokens, "rows per pass", rows_per_pass,
+              "finite", bool(np.isfinite(np.asarray(decode_out, np.float32)).all()),
+              "rows past live zero", not np.asarray(decode_out[live:], np.float32).any())
 
 # The decode router: one token and two token groups (T = 12), softmax and DeepSeek-V3's groups
 # with a bias, E from 8 to 512 (a partial expert tile at E = 8).

@@ -210,16 +210,17 @@ def test_decode_suite_times_fp8_experts_against_their_own_roofline():
     model = dataclasses.replace(TINY, name="tiny128", label="tiny 128", hidden_size=128, ffn_size=128)
     rows, _ = decode_suite.run([model], (2,), timing.Clock(), 1, with_peer=False)
     by = {r["impl"]: r for r in rows}
-    assert set(by) == {*decode_suite.VARIANTS, decode_suite.FP8_VARIANT}
+    assert set(by) == {*decode_suite.VARIANTS, *decode_suite.FP8_VARIANTS}
     bf16, fp8_row = by["jax_moe"], by[decode_suite.FP8_VARIANT]
-    assert "error" not in fp8_row and fp8_row["us_per_layer"] > 0
+    for variant in decode_suite.FP8_VARIANTS:
+        assert "error" not in by[variant] and by[variant]["us_per_layer"] > 0
     # Same draws quantised: the same routing, so the same experts read, at half the bytes plus
     # one float32 scale per 128 x 128 block (3 blocks per expert here).
     assert fp8_row["active_experts"] == bf16["active_experts"]
     saved = fp8_row["active_experts"] * (3 * 128 * 128 * 2 - (3 * 128 * 128 + 3 * 4))
     assert _close(bf16["bytes_per_layer"] - fp8_row["bytes_per_layer"], saved)
     assert _close(fp8_row["pct_roofline"], 100 * fp8_row["roofline_us"] / fp8_row["us_per_layer"])
-    assert "FP8 vs bf16" in decode_suite.table(rows)
+    assert "FP8 vs bf16" in decode_suite.table(rows) and "FP8 CUTLASS path" in decode_suite.table(rows)
 
 
 def test_measure_isolated_keeps_rows_and_notes_a_failure():

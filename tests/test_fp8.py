@@ -217,8 +217,13 @@ def test_gpu_fp8_stack_matches_the_cpu_fp8_stack(num_tokens):
     run = lambda p, x, s: jax_moe.moe_stack(p, x, s)[0]
     gpu = jax.devices("gpu")[0]
     hlo = jax.jit(run).lower(*jax.device_put((params, x, init_scratch(config)), gpu)).compile().as_text()
-    # The routed and the shared experts, each one call for both projections (in the scan body).
-    assert hlo.count('custom_call_target="jax_moe_fp8_swiglu_experts"') == 2
+    # The routed and the shared experts, each one call for both projections (in the scan body): the
+    # FP8 decode kernel's for small reads (gemm.fp8_decode_rows), else the CUTLASS GEMMs'.
+    decode = [bool(gemm.fp8_decode_rows(rows, groups, 256, 128))
+              for rows, groups in ((config.live_row_bound(num_tokens), 16), (num_tokens, 1))]
+    assert hlo.count('custom_call_target="jax_moe_fp8_decode_swiglu"') == sum(decode)
+    assert hlo.count('custom_call_target="jax_moe_fp8_swiglu_experts"') == 2 - sum(decode)
+    assert decode == [num_tokens <= 8, num_tokens == 1]  # T = 8: 8 rows of the shared expert take CUTLASS
     got = np.asarray(_on("gpu", run, params, x, init_scratch(config)), np.float32)
     want = np.asarray(_on("cpu", run, params, x, init_scratch(config)), np.float32)
     assert np.linalg.norm(got - want) <= 0.03 * np.linalg.norm(want)
@@ -458,3 +463,93 @@ def test_gpu_fp8_forward_reads_every_e4m3_value():
     want = np.asarray(fp8.dequantize(q, scale))[0][:, picked].T
     np.testing.assert_array_equal(np.asarray(got, np.float32), want)
     assert np.unique(bits[:, picked], axis=None).size == 254  # every finite pattern was read
+
+
+def _check_fp8_decode(scratch, num_local, hidden, ffn, num_rows=None, rows_per_pass=8, seed=7):
+    """The FP8 decode kernel (both projections, SwiGLU in the gate/up epilogue) against float64
+    products of its own quantised inputs: the activation against silu(gate) * up of the exact
+    gate/up product (each rounded to bf16 as the kernel does: a bf16 ulp or two apart where the
+    float32 sums round the other way), the output against the exact product of the quantised
+    activation within the FP8 GEMM's bound; rows past the groups zero; and the CUTLASS path in norm."""
+    num_rows = num_rows or scratch.permuted.shape[0]
+    keys = jax.random.split(jax.random.key(seed))
+    gu = jax.jit(fp8.quantize)(jax.random.normal(keys[0], (num_local, 2 * ffn, hidden)) / np.sqrt(hidden))
+    dn = jax.jit(fp8.quantize)(jax.random.normal(keys[1], (num_local, hidden, ffn)) / np.sqrt(ffn))
+    rows, offsets = scratch.permuted, scratch.expert_offsets
+    out, act = jax.jit(lambda *a: gemm._fp8_decode_swiglu_call(*a, num_rows, rows_per_pass))(rows, *gu, *dn, offsets)
+    cpu = jax.devices("cpu")[0]
+    q_rows, row_scale = jax.jit(fp8.quantize_rows)(jax.device_put(rows[:num_rows], cpu))
+    hidden_rows, _ = _fp8_reference(q_rows, row_scale, *gu, offsets)
+    gate, up = (np.asarray(jnp.asarray(h, BF16), np.float64) for h in np.split(hidden_rows, 2, axis=1))
+    want_act = gate / (1.0 + np.exp(-gate)) * up
+    live = int(np.clip(np.asarray(offsets)[-1], 0, num_rows))
+    got_act = np.asarray(act, np.float64)[:live]
+    assert (np.abs(got_act - want_act[:live]) <= 2.0 ** -6 * np.abs(want_act[:live])
+            + 2.0 ** -9 * np.abs(want_act).max(initial=0.0)).all()
+    q_act, act_scale = jax.jit(fp8.quantize_rows)(jax.device_put(act, cpu))
+    want, magnitude = _fp8_reference(q_act, act_scale, *dn, offsets)
+    got = np.asarray(out, np.float64)
+    assert (np.abs(got - want)[:live] <= 2.0 ** -8 * np.abs(want[:live]) + 2.0 ** -10 * magnitude[:live]).all()
+    assert_zero_past_groups(got, offsets)
+    cutlass, _ = jax.jit(lambda *a: gemm.fp8_swiglu_forward(*a, num_rows, decode_rows=0))(
+        rows, *gu, *dn, offsets, scratch.workspace)
+    cutlass = np.asarray(cutlass, np.float64)
+    assert np.linalg.norm(got - cutlass) <= 2.0 ** -7 * np.linalg.norm(cutlass)
+
+
+DECODE_SHAPES = ([(name, t, 8) for name in ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b") for t in (1, 2)]
+                 + [("qwen3_30b", 16, 8), ("qwen3_30b", 16, 16)])  # (DeepSeek-V3's float64 reference: 8 experts a second)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,num_tokens,rows_per_pass", DECODE_SHAPES,
+                         ids=[f"{n}-T{t}-pass{r}" for n, t, r in DECODE_SHAPES])
+def test_gpu_fp8_decode_kernel_model_shapes(name, num_tokens, rows_per_pass):
+    m = MODELS[name]
+    config = MoEConfig(num_experts=m.num_experts, top_k=m.top_k, hidden_size=m.hidden_size, max_tokens=num_tokens,
+                       dtype=BF16)
+    scratch = routed_scratch(config, num_tokens)
+    _check_fp8_decode(scratch, m.num_experts, m.hidden_size, m.ffn_size, rows_per_pass=rows_per_pass)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_pass", gemm.FP8_DECODE_ROWS_PER_PASS)
+@pytest.mark.parametrize("case", list(GROUPED_GEMM_EDGE_CASES))
+def test_gpu_fp8_decode_kernel_edge_cases(case, rows_per_pass):
+    """Empty experts, one expert with all 300 rows (many passes over its weights), dropped routes,
+    align 8, an expert map, rows past the live count; K of 2 and 3 scale blocks (H 256, F 384)."""
+    kwargs, num_tokens, ids = grouped_gemm_edge_case(case)
+    config = MoEConfig(dtype=BF16, **kwargs)
+    scratch = routed_scratch(config, num_tokens, ids)
+    _check_fp8_decode(scratch, config.num_local_experts, 256, 384, rows_per_pass=rows_per_pass)
+    _check_fp8_decode(scratch, config.num_local_experts, 256, 384, num_rows=config.live_row_bound(num_tokens),
+                      rows_per_pass=rows_per_pass)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_decode_kernel_shared_expert_group():
+    """The FP8 shared expert's call at decode: one group of T rows."""
+    for num_tokens, rows_per_pass in ((1, 8), (5, 8), (16, 16), (16, 8)):
+        config = MoEConfig(num_experts=1, top_k=1, hidden_size=7168, max_tokens=num_tokens, dtype=BF16)
+        scratch = routed_scratch(config, num_tokens, np.zeros((num_tokens, 1), np.int32))
+        _check_fp8_decode(scratch, 1, 7168, 2048, rows_per_pass=rows_per_pass)
+
+
+def test_fp8_decode_rows_picks_the_decode_kernel_for_small_reads():
+    assert gemm.fp8_decode_rows(1, 1, 7168, 2048) == 8             # DeepSeek-V3's shared expert, T = 1: 44 MB
+    assert gemm.fp8_decode_rows(4, 1, 7168, 2048) == 8             # T = 4
+    assert gemm.fp8_decode_rows(16, 1, 7168, 2048) == 0            # T = 16: 16 rows an expert
+    assert gemm.fp8_decode_rows(8, 128, 2048, 768) == 8            # Qwen3-30B's experts, T = 1: 38 MB
+    assert gemm.fp8_decode_rows(10, 512, 4096, 1024) == 8          # Qwen3.5-397B's, T = 1: 126 MB
+    assert gemm.fp8_decode_rows(128, 128, 2048, 768) == 0          # Qwen3-30B's, T = 16: 382 MB
+    assert gemm.fp8_decode_rows(8, 256, 7168, 2048) == 0           # DeepSeek-V3's experts, T = 1: 352 MB
+    assert gemm.fp8_decode_rows(4096 * 8, 256, 7168, 2048) == 0    # prefill
+    assert gemm.fp8_decode_rows(1, 1, 256, gemm.FP8_DECODE_MAX_K + 128) == 0  # F past the staging
+
+
+def test_fp8_swiglu_forward_rejects_a_bad_decode_rows():
+    rows, gu, dn = jnp.zeros((4, 128), BF16), fp8.quantize(jnp.ones((2, 256, 128))), fp8.quantize(jnp.ones((2, 128, 128)))
+    offsets, ws = jnp.array([0, 2, 4], jnp.int32), gemm.fp8_workspace(2)
+    with pytest.raises(ValueError, match=re.escape("fp8_swiglu_forward: decode_rows: expected 0 (the CUTLASS GEMMs), "
+                                                   "one of (8, 16)")):
+        gemm.fp8_swiglu_forward(rows, *gu, *dn, offsets, ws, 4, decode_rows=4)

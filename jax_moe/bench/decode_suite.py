@@ -6,9 +6,11 @@ scratch donated and threaded step to step, routing by each layer's own router), 
 - ``jax_moe/cutlass``: the same step with the decode kernel switched off (CUTLASS grouped GEMMs:
   the path before it), so the crossover is measured in the same run;
 - ``jax_moe/fp8``: the same step on FP8 experts (``jax_moe.fp8``: e4m3 weights, a float32 scale
-  per 128 x 128 block; the same draws, quantised; both projections on the FP8 grouped GEMM, the
-  rows quantised per 1 x 128 group), where H and F are multiples of 128, against its own roofline
-  (the experts' FP8 bytes and scales);
+  per 128 x 128 block; the same draws, quantised; the rows quantised per 1 x 128 group; the kernels
+  ``gemm.fp8_decode_rows`` picks: the FP8 decode kernel at few rows per expert), where H and F are
+  multiples of 128, against its own roofline (the experts' FP8 bytes and scales);
+- ``jax_moe/fp8-cutlass``: that step with the FP8 decode kernel switched off (both projections on
+  CUTLASS's FP8 grouped GEMM), the FP8 crossover measured in the same run;
 - the PyTorch + Hugging Face peer: L transformers ``Qwen3MoeSparseMoeBlock``s (torch grouped_mm)
   in the same residual stack, the forward captured in one CUDA graph, its own process.
 
@@ -43,6 +45,7 @@ PEER_STEPS, PEER_WARMUP, PEER_TIMEOUT_S = 50, 5, 300
 DENSE_TFLOPS = 790.0  # bf16 dense rate of the H200 (DESIGN.md §7b), for the FLOP roofline only
 VARIANTS = ("jax_moe", "jax_moe/cutlass")
 FP8_VARIANT = "jax_moe/fp8"
+FP8_VARIANTS = (FP8_VARIANT, "jax_moe/fp8-cutlass")
 METHOD = ("Per layer = back-to-back step time / L (" + timing.STEP_METHOD + "). Roofline = (bytes of the "
           "experts owning rows, counted from the step's routing and averaged over layers, + shared expert "
           "+ router) / copy rate of the same run. Peer: transformers Qwen3MoeSparseMoeBlock stack with torch "
@@ -59,6 +62,17 @@ def decode_kernel(enabled: bool):
         yield
     finally:
         gemm.DECODE_MAX_ROWS_PER_EXPERT = saved
+
+
+@contextlib.contextmanager
+def fp8_decode_kernel(enabled: bool):
+    """Traces inside see ``gemm.fp8_decode_rows`` with the FP8 decode kernel on (as shipped) or off."""
+    saved = gemm.FP8_DECODE_MAX_ROWS_PER_EXPERT
+    gemm.FP8_DECODE_MAX_ROWS_PER_EXPERT = saved if enabled else -1.0
+    try:
+        yield
+    finally:
+        gemm.FP8_DECODE_MAX_ROWS_PER_EXPERT = saved
 
 
 def run_peer(model: ModelShape, token_counts, layers: int) -> dict[int, dict]:
@@ -152,9 +166,11 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
         params = init_stack_params(*stack_args, fp8=True, **model.param_options())
         for tokens, (config, x) in inputs.items():
             bytes_read = layer_bytes(model, params, bases[tokens]["active_experts"])
-            rows.append(row := {**bases[tokens], "impl": FP8_VARIANT, "bytes_per_layer": bytes_read,
-                                "roofline_us": roofline(bytes_read)})
-            _time_step(params, x, config, layers, row)
+            for variant in FP8_VARIANTS:
+                rows.append(row := {**bases[tokens], "impl": variant, "bytes_per_layer": bytes_read,
+                                    "roofline_us": roofline(bytes_read)})
+                with fp8_decode_kernel(variant == FP8_VARIANT):
+                    _time_step(params, x, config, layers, row)
             _log(clock, rows, model, tokens)
         del params
     for row in rows:
@@ -201,16 +217,19 @@ def table(rows: list[dict]) -> str:
             r = by.get(impl, {})
             line += [fmt_us(r.get("us_per_layer")), fmt_pct(r.get("pct_roofline"))]
         ours, peer, fp8_row = by.get("jax_moe", {}), by.get("peer", {}), by.get(FP8_VARIANT, {})
+        fp8_cutlass = by.get(FP8_VARIANTS[1], {})
         line.append(f"{peer['us_per_layer'] / ours['us_per_layer']:.2f}x"
                     if ours.get("us_per_layer") and peer.get("us_per_layer") else "–")
         line += [fmt_us(fp8_row.get("roofline_us")), fmt_us(fp8_row.get("us_per_layer")),
-                 fmt_pct(fp8_row.get("pct_roofline")),
+                 fmt_pct(fp8_row.get("pct_roofline")), fmt_us(fp8_cutlass.get("us_per_layer")),
+                 fmt_pct(fp8_cutlass.get("pct_roofline")),
                  f"{ours['us_per_layer'] / fp8_row['us_per_layer']:.2f}x"
                  if ours.get("us_per_layer") and fp8_row.get("us_per_layer") else "–"]
         lines.append(line)
     return md_table(["model", "T", "experts read", "roofline µs", "kernel", "jax_moe µs", "% roofline",
                      "CUTLASS path µs", "% roofline", "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
-                     "FP8 roofline µs", "FP8 µs", "% FP8 roofline", "FP8 vs bf16"], lines)
+                     "FP8 roofline µs", "FP8 µs", "% FP8 roofline", "FP8 CUTLASS path µs", "% FP8 roofline",
+                     "FP8 vs bf16"], lines)
 
 
 def markdown(record: dict) -> str:
