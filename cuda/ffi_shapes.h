@@ -5,6 +5,7 @@
 #define JAX_MOE_FFI_SHAPES_H_
 
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -18,6 +19,7 @@ struct PermuteShapes {
 inline xla::ffi::Error InvalidArgument(const char* message) {
   return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument, message);
 }
+inline xla::ffi::Error InvalidArgument(const std::string& message) { return InvalidArgument(message.c_str()); }
 
 inline int64_t RowBytes(const xla::ffi::AnyBuffer& rows) {
   const auto dims = rows.dimensions();

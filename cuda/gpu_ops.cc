@@ -377,6 +377,38 @@ ffi::Error Fp8GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::A
   return CudaStatus(LaunchFp8GroupedGemm(args, stream), "fp8_grouped_matmul");
 }
 
+// The operands of an FP8 SwiGLU experts call: rows [R, H] bf16, gate_up [El, 2F, H] and down
+// [El, H, F] float8_e4m3fn with float32 scales [El, 2F / 128, H / 128] and [El, H / 128, F / 128],
+// expert_offsets [El + 1], out [out_rows <= R, H] bf16, H and F multiples of 128. Their sizes, or
+// an error naming `op`.
+struct Fp8SwigluSizes {
+  int64_t groups, h, f, out_rows;
+};
+
+ffi::ErrorOr<Fp8SwigluSizes> CheckFp8Swiglu(const char* op, const ffi::AnyBuffer& rows, const ffi::AnyBuffer& gate_up,
+                                            const ffi::Buffer<ffi::F32>& gate_up_scale, const ffi::AnyBuffer& down,
+                                            const ffi::Buffer<ffi::F32>& down_scale,
+                                            const ffi::Buffer<ffi::S32>& expert_offsets, const ffi::AnyBuffer& out) {
+  const auto rd = rows.dimensions();
+  const auto gd = gate_up.dimensions();
+  const auto dd = down.dimensions();
+  const auto od = out.dimensions();
+  if (rd.size() != 2 || gd.size() != 3 || dd.size() != 3 || od.size() != 2 || rows.element_type() != ffi::BF16 ||
+      gate_up.element_type() != ffi::F8E4M3FN || down.element_type() != ffi::F8E4M3FN ||
+      out.element_type() != ffi::BF16)
+    return ffi::Unexpected(InvalidArgument(std::string(op) + ": expected bf16 rows, float8_e4m3fn experts, bf16 out"));
+  const int64_t groups = gd[0], h = rd[1], f2 = gd[1], f = f2 / 2, out_rows = od[0];
+  if (f2 != 2 * f || gd[2] != h || dd[0] != groups || dd[1] != h || dd[2] != f || od[1] != h || out_rows > rd[0] ||
+      h % 128 != 0 || f % 128 != 0 ||
+      static_cast<int64_t>(gate_up_scale.element_count()) != groups * (f2 / 128) * (h / 128) ||
+      static_cast<int64_t>(down_scale.element_count()) != groups * (h / 128) * (f / 128) ||
+      static_cast<int64_t>(expert_offsets.element_count()) != groups + 1)
+    return ffi::Unexpected(InvalidArgument(std::string(op) + ": expected rows [R, H], gate_up [El, 2F, H] and down "
+                                           "[El, H, F] with their [.., out / 128, in / 128] scales, H and F "
+                                           "multiples of 128, out [<= R, H]"));
+  return Fp8SwigluSizes{groups, h, f, out_rows};
+}
+
 // FP8 SwiGLU experts in one call (grouped_gemm_fp8.h): rows [R, H] bf16 quantised per 1 x 128
 // group, the gate/up GEMM into hidden [R', 2F], SwiGLU's activation quantised again
 // (LaunchSwigluQuantize), the down GEMM into out [R', H]. The quantised rows, hidden and the
@@ -389,27 +421,18 @@ ffi::Error Fp8SwigluExpertsImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::A
                                 ffi::Result<ffi::Buffer<ffi::F32>> row_scale, ffi::Result<ffi::AnyBuffer> hidden,
                                 ffi::Result<ffi::AnyBuffer> q_act, ffi::Result<ffi::Buffer<ffi::F32>> act_scale,
                                 int64_t tile_rows) {
-  const auto rd = rows.dimensions();
-  const auto gd = gate_up.dimensions();
-  const auto dd = down.dimensions();
-  const auto od = out->dimensions();
-  if (rd.size() != 2 || gd.size() != 3 || dd.size() != 3 || od.size() != 2 || rows.element_type() != ffi::BF16 ||
-      gate_up.element_type() != ffi::F8E4M3FN || down.element_type() != ffi::F8E4M3FN ||
-      out->element_type() != ffi::BF16 || hidden->element_type() != ffi::BF16)
-    return InvalidArgument("fp8_swiglu_experts: expected bf16 rows, float8_e4m3fn experts, bf16 out");
-  const int64_t groups = gd[0], h = rd[1], f2 = gd[1], f = f2 / 2, out_rows = od[0];
-  if (gd[2] != h || dd[0] != groups || dd[1] != h || dd[2] != f || od[1] != h || out_rows > rd[0] ||
-      h % 128 != 0 || f % 128 != 0 ||
-      static_cast<int64_t>(gate_up_scale.element_count()) != groups * (f2 / 128) * (h / 128) ||
-      static_cast<int64_t>(down_scale.element_count()) != groups * (h / 128) * (f / 128) ||
-      static_cast<int64_t>(expert_offsets.element_count()) != groups + 1 ||
-      static_cast<int64_t>(q_rows->element_count()) != out_rows * h ||
+  const auto sizes = CheckFp8Swiglu("fp8_swiglu_experts", rows, gate_up, gate_up_scale, down, down_scale,
+                                    expert_offsets, *out);
+  if (sizes.has_error()) return sizes.error();
+  const int64_t h = sizes->h, f = sizes->f, out_rows = sizes->out_rows;
+  if (hidden->element_type() != ffi::BF16 || static_cast<int64_t>(q_rows->element_count()) != out_rows * h ||
       static_cast<int64_t>(row_scale->element_count()) != out_rows * (h / 128) ||
-      static_cast<int64_t>(hidden->element_count()) != out_rows * f2 ||
+      static_cast<int64_t>(hidden->element_count()) != out_rows * 2 * f ||
       static_cast<int64_t>(q_act->element_count()) != out_rows * f ||
       static_cast<int64_t>(act_scale->element_count()) != out_rows * (f / 128))
-    return InvalidArgument("fp8_swiglu_experts: expected rows [R, H], gate_up [El, 2F, H] and down [El, H, F] with "
-                           "their [.., out / 128, in / 128] scales, H and F multiples of 128, out [<= R, H]");
+    return InvalidArgument("fp8_swiglu_experts: expected temporaries q_rows [out_rows, H], row_scale "
+                           "[out_rows, H / 128], hidden [out_rows, 2F] bf16, q_act [out_rows, F], act_scale "
+                           "[out_rows, F / 128]");
   if (tile_rows != 64 && tile_rows != 128) return InvalidArgument("fp8_swiglu_experts: tile_rows must be 64 or 128");
   cudaError_t status = LaunchQuantizeRows(rows.untyped_data(), q_rows->untyped_data(), row_scale->typed_data(),
                                           out_rows, h, stream);
@@ -425,7 +448,7 @@ ffi::Error Fp8SwigluExpertsImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::A
   args.out = hidden->untyped_data();
   args.workspace = reinterpret_cast<void*>(aligned);
   args.workspace_bytes = workspace->size_bytes() > aligned - base ? workspace->size_bytes() - (aligned - base) : 0;
-  args.out_rows = out_rows, args.num_groups = groups, args.k = h, args.n = f2;
+  args.out_rows = out_rows, args.num_groups = sizes->groups, args.k = h, args.n = 2 * f;
   args.tile_rows = static_cast<int>(tile_rows);
   status = LaunchFp8GroupedGemm(args, stream);
   if (status != cudaSuccess) return CudaStatus(status, "fp8_swiglu_experts: gate_up");
@@ -449,24 +472,14 @@ ffi::Error Fp8DecodeSwigluImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::An
                                ffi::Buffer<ffi::F32> down_scale, ffi::Buffer<ffi::S32> expert_offsets,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> activation,
                                int64_t rows_per_pass) {
-  const auto rd = rows.dimensions();
-  const auto gd = gate_up.dimensions();
-  const auto dd = down.dimensions();
-  const auto od = out->dimensions();
-  if (rd.size() != 2 || gd.size() != 3 || dd.size() != 3 || od.size() != 2 || rows.element_type() != ffi::BF16 ||
-      gate_up.element_type() != ffi::F8E4M3FN || down.element_type() != ffi::F8E4M3FN ||
-      out->element_type() != ffi::BF16 || activation->element_type() != ffi::BF16)
-    return InvalidArgument("fp8_decode_swiglu: expected bf16 rows, float8_e4m3fn experts, bf16 out");
-  const int64_t groups = gd[0], h = rd[1], f2 = gd[1], f = f2 / 2, out_rows = od[0];
-  if (gd[2] != h || dd[0] != groups || dd[1] != h || dd[2] != f || od[1] != h || out_rows > rd[0] ||
-      h % 128 != 0 || f % 128 != 0 || h > kFp8DecodeMaxK || f > kFp8DecodeMaxK ||
-      static_cast<int64_t>(gate_up_scale.element_count()) != groups * (f2 / 128) * (h / 128) ||
-      static_cast<int64_t>(down_scale.element_count()) != groups * (h / 128) * (f / 128) ||
-      static_cast<int64_t>(expert_offsets.element_count()) != groups + 1 ||
-      static_cast<int64_t>(activation->element_count()) != out_rows * f)
-    return InvalidArgument("fp8_decode_swiglu: expected rows [R, H], gate_up [El, 2F, H] and down [El, H, F] with "
-                           "their [.., out / 128, in / 128] scales, H and F multiples of 128 up to 16384, "
-                           "out [<= R, H], activation [out_rows, F]");
+  const auto sizes = CheckFp8Swiglu("fp8_decode_swiglu", rows, gate_up, gate_up_scale, down, down_scale,
+                                    expert_offsets, *out);
+  if (sizes.has_error()) return sizes.error();
+  const int64_t groups = sizes->groups, h = sizes->h, f = sizes->f, out_rows = sizes->out_rows;
+  if (h > kFp8DecodeMaxK || f > kFp8DecodeMaxK)
+    return InvalidArgument("fp8_decode_swiglu: expected H and F up to 16384 (the rows are staged in shared memory)");
+  if (activation->element_type() != ffi::BF16 || static_cast<int64_t>(activation->element_count()) != out_rows * f)
+    return InvalidArgument("fp8_decode_swiglu: expected activation [out_rows, F] bf16");
   if (rows_per_pass != 8 && rows_per_pass != 16) return InvalidArgument("fp8_decode_swiglu: rows_per_pass must be 8 or 16");
   Fp8DecodeSwigluArgs args;
   args.rows = rows.untyped_data();
@@ -634,29 +647,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8GroupedMatmulCuda, jax_moe::Fp8GroupedMat
                                   .Attr<int64_t>("tile_rows"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+// The operands both FP8 SwiGLU experts calls begin with (CheckFp8Swiglu).
+static auto BindFp8SwigluOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()          // rows [R, H], bf16
+      .Arg<ffi::AnyBuffer>()          // gate_up [El, 2F, H], float8_e4m3fn
+      .Arg<ffi::Buffer<ffi::F32>>()   // gate_up_scale [El, 2F / 128, H / 128]
+      .Arg<ffi::AnyBuffer>()          // down [El, H, F], float8_e4m3fn
+      .Arg<ffi::Buffer<ffi::F32>>()   // down_scale [El, H / 128, F / 128]
+      .Arg<ffi::Buffer<ffi::S32>>();  // expert_offsets [El + 1]
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8DecodeSwigluCuda, jax_moe::Fp8DecodeSwigluImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // rows [R, H], bf16
-                                  .Arg<ffi::AnyBuffer>()               // gate_up [El, 2F, H], float8_e4m3fn
-                                  .Arg<ffi::Buffer<ffi::F32>>()        // gate_up_scale [El, 2F / 128, H / 128]
-                                  .Arg<ffi::AnyBuffer>()               // down [El, H, F], float8_e4m3fn
-                                  .Arg<ffi::Buffer<ffi::F32>>()        // down_scale [El, H / 128, F / 128]
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
+                              BindFp8SwigluOperands()
                                   .Ret<ffi::AnyBuffer>()               // out [out_rows, H], bf16
                                   .Ret<ffi::AnyBuffer>()               // activation [out_rows, F] bf16 (temporary)
                                   .Attr<int64_t>("rows_per_pass"),     // 8 or 16
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8SwigluExpertsCuda, jax_moe::Fp8SwigluExpertsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // rows [R, H], bf16
-                                  .Arg<ffi::AnyBuffer>()               // gate_up [El, 2F, H], float8_e4m3fn
-                                  .Arg<ffi::Buffer<ffi::F32>>()        // gate_up_scale [El, 2F / 128, H / 128]
-                                  .Arg<ffi::AnyBuffer>()               // down [El, H, F], float8_e4m3fn
-                                  .Arg<ffi::Buffer<ffi::F32>>()        // down_scale [El, H / 128, F / 128]
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
+                              BindFp8SwigluOperands()
                                   .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
                                   .Ret<ffi::AnyBuffer>()               // out [out_rows, H], bf16
                                   .Ret<ffi::Buffer<ffi::S32>>()        // workspace

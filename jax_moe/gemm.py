@@ -566,6 +566,9 @@ def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, 
     op = "fp8_swiglu_forward"
     _check_fp8_forward(rows, gate_up, gate_up_scale, offsets, num_rows, op, ("rows", "gate_up", "gate_up_scale"))
     num_groups, two_f, hidden_size = gate_up.shape
+    if two_f % 2:
+        raise ValueError(f"{op}: gate_up: expected [El, 2F, H] (gate rows, then up rows), got an odd "
+                         f"{two_f} rows: {tuple(gate_up.shape)}")
     if jnp.shape(down) != (num_groups, hidden_size, two_f // 2):
         raise ValueError(f"{op}: down: expected [El, H, F] = {(num_groups, hidden_size, two_f // 2)} "
                          f"(gate_up is [El, 2F, H] = {tuple(gate_up.shape)}), got {tuple(jnp.shape(down))}")

@@ -135,6 +135,8 @@ def test_fp8_swiglu_forward_names_bad_operands():
         ((rows, *gu, dn[0][:, :, :64], dn[1]), "fp8_swiglu_forward: down: expected [El, H, F] = (2, 128, 128)"),
         ((rows, *gu, dn[0], dn[1][:1]), "fp8_swiglu_forward: down_scale: expected float32 (2, 1, 1)"),
         ((rows[:, :64], *gu, *dn), "fp8_swiglu_forward: rows: expected [R, K=128]"),
+        ((rows, gu[0][:, :255], gu[1], *dn), "fp8_swiglu_forward: gate_up: expected [El, 2F, H] (gate rows, then "
+                                             "up rows), got an odd 255 rows"),
     ]
     for operands, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):

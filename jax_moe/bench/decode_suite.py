@@ -54,25 +54,24 @@ METHOD = ("Per layer = back-to-back step time / L (" + timing.STEP_METHOD + "). 
 
 
 @contextlib.contextmanager
+def _kernel_switch(limit: str, enabled: bool):
+    """Traces inside see ``gemm.<limit>`` as shipped, or -1: the kernel it admits switched off."""
+    saved = getattr(gemm, limit)
+    setattr(gemm, limit, saved if enabled else -1.0)
+    try:
+        yield
+    finally:
+        setattr(gemm, limit, saved)
+
+
 def decode_kernel(enabled: bool):
     """Traces inside see ``gemm.pick_tile`` with the decode kernel on (as shipped) or off."""
-    saved = gemm.DECODE_MAX_ROWS_PER_EXPERT
-    gemm.DECODE_MAX_ROWS_PER_EXPERT = saved if enabled else -1.0
-    try:
-        yield
-    finally:
-        gemm.DECODE_MAX_ROWS_PER_EXPERT = saved
+    return _kernel_switch("DECODE_MAX_ROWS_PER_EXPERT", enabled)
 
 
-@contextlib.contextmanager
 def fp8_decode_kernel(enabled: bool):
     """Traces inside see ``gemm.fp8_decode_rows`` with the FP8 decode kernel on (as shipped) or off."""
-    saved = gemm.FP8_DECODE_MAX_ROWS_PER_EXPERT
-    gemm.FP8_DECODE_MAX_ROWS_PER_EXPERT = saved if enabled else -1.0
-    try:
-        yield
-    finally:
-        gemm.FP8_DECODE_MAX_ROWS_PER_EXPERT = saved
+    return _kernel_switch("FP8_DECODE_MAX_ROWS_PER_EXPERT", enabled)
 
 
 def run_peer(model: ModelShape, token_counts, layers: int) -> dict[int, dict]:
