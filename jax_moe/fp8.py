@@ -15,8 +15,9 @@ projection are quantised per 1 x 128 group of a row (``quantize_rows``), both op
 dequantised exactly, and the product is accumulated in float32 and rounded to the rows' dtype;
 SwiGLU's activation between the projections is float32, rounded to the rows' dtype.
 ``gemm.fp8_swiglu_forward`` runs both projections on the GPU in one call (CUTLASS's
-blockwise-scaled FP8 grouped GEMM, at every row count; ``gemm.fp8_forward`` is one projection) and
-elsewhere as ``gemm.fp8_swiglu_dequantized``. Gradients reach the rows only, as if
+blockwise-scaled FP8 grouped GEMM, or for small decode reads the FP8 decode kernel of
+``cuda/decode_gemm.h``; ``gemm.fp8_forward`` is one projection on CUTLASS) and elsewhere as
+``gemm.fp8_swiglu_dequantized``. Gradients reach the rows only, as if
 the quantisation of the rows were the identity (FP8 experts are for inference).
 """
 
