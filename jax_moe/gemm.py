@@ -490,7 +490,7 @@ def fp8_dequantized_matmul(rows, weights_nk, scale_nk, offsets, num_rows: int):
 # DeepSeek-V3's shared expert at T = 1, 44 MB, 24 vs 43 us, and at T = 4, 31 vs 45; Qwen3-30B's
 # experts at T = 1, 38 MB, 21 vs 33 us; Qwen3.5-397B's at T = 1, 126 MB, 59 vs 65 us; Qwen3-30B's
 # at T = 16, 382 MB, 140 vs 122 us; the shared expert at T = 16, 66 vs 44 us:
-# notebooks/results/fp8_decode_kernel_h200.md).
+# notebooks/results/fp8_decode_kernel_h200.md, python -m jax_moe.bench.fp8_decode_probe).
 FP8_DECODE_MAX_ROWS_PER_EXPERT = 4.0
 FP8_DECODE_MAX_BYTES = 128e6
 FP8_DECODE_MAX_K = 16384
