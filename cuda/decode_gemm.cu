@@ -589,7 +589,8 @@ cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// 16 rows a pass where their staging and a ring fit (K up to about 11,000), else 8.
+// 16 rows a pass where their staging and a ring fit (at 2 slots: K up to 8,960 for gate/up, 11,392
+// for down), else 8.
 template <bool kGated>
 cudaError_t LaunchFp8DecodeRows(const Fp8DecodeGemmArgs& args, int rows_per_pass, cudaStream_t stream) {
   return rows_per_pass == 16 && Fp8Stages<kGated, 2>(args.k) > 0 ? LaunchFp8Decode<kGated, 2>(args, stream)

@@ -560,7 +560,9 @@ def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, 
     Args as ``fp8_forward``'s (rows [R, H] bf16, both projections' FP8 weights [El, out, in] and
     float32 scales [El, out/128, in/128], H and F multiples of 128), and decode_rows: 0 for the
     CUTLASS GEMMs (tile_rows their row tile), 8 or 16 for the decode kernel with that many rows of
-    an expert per pass over its weights, None for ``fp8_decode_rows``' pick.
+    an expert per pass over its weights (16 runs as 8 where 16 staged rows do not fit in shared
+    memory: gate/up past H of about 9,000, down past F of about 11,000), None for
+    ``fp8_decode_rows``' pick.
     Returns ``([num_rows, H], workspace)``.
     """
     op = "fp8_swiglu_forward"
