@@ -64,10 +64,18 @@ def supports_swiglu(dtype, hidden_size: int, ffn_size: int) -> bool:
             and hidden_size % GROUPED_MATMUL_ALIGN == 0 and ffn_size % GROUPED_MATMUL_ALIGN == 0)
 
 
+def expected_owning_experts(num_rows: int, num_groups: int) -> float:
+    """Experts expected to own rows when num_rows rows fall uniformly on num_groups experts (at least
+    one, when there are rows)."""
+    if num_rows <= 0:
+        return 0.0
+    owning = num_groups * -math.expm1(num_rows * math.log1p(-1.0 / num_groups)) if num_groups > 1 else 1.0
+    return max(owning, 1.0)
+
+
 def expected_rows_per_expert(num_rows: int, num_groups: int) -> float:
     """Rows each expert that owns any expects when num_rows rows fall uniformly on num_groups experts."""
-    owning = num_groups * -math.expm1(num_rows * math.log1p(-1.0 / num_groups)) if num_groups > 1 else 1.0
-    return num_rows / max(owning, 1.0)
+    return num_rows / max(expected_owning_experts(num_rows, num_groups), 1.0)
 
 
 def pick_tile(num_rows: int, num_groups: int, group_rows: int | None = None) -> int:
@@ -502,10 +510,9 @@ def fp8_decode_rows(num_rows: int, num_groups: int, hidden_size: int, ffn_size: 
     the FP8 decode kernel's rows per pass over an expert's weights (8; 16 only when asked), or 0
     for the CUTLASS FP8 grouped GEMM (more rows per expert or more bytes than the limits above, or
     H or F past FP8_DECODE_MAX_K)."""
-    expected = expected_rows_per_expert(num_rows, num_groups)
-    owning = num_rows / expected if expected > 0 else 0.0
-    weight_bytes = owning * 3 * hidden_size * ffn_size
-    if (expected > FP8_DECODE_MAX_ROWS_PER_EXPERT or weight_bytes > FP8_DECODE_MAX_BYTES
+    weight_bytes = expected_owning_experts(num_rows, num_groups) * 3 * hidden_size * ffn_size
+    if (expected_rows_per_expert(num_rows, num_groups) > FP8_DECODE_MAX_ROWS_PER_EXPERT
+            or weight_bytes > FP8_DECODE_MAX_BYTES
             or max(hidden_size, ffn_size) > FP8_DECODE_MAX_K):
         return 0
     return 8
