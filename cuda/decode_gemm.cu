@@ -372,13 +372,17 @@ struct Fp8DecodeGemmArgs {
 __host__ __device__ constexpr int64_t Fp8SlotBytes(int tiles) { return tiles * kFp8TileBytes + 16; }
 __host__ __device__ inline int64_t Fp8StagingBytes(int64_t rows, int64_t k) { return (rows * (k + kFp8RowPad) + rows * (k / kFp8Block) * 4 + 15) / 16 * 16; }
 
+// Each warp's float32 sums of its tiles' C fragments, for the block's in-order reduction.
+template <bool kGated, int kSlices>
+using Fp8Partial = float[kWarps][kGated ? 2 : 1][kSlices][4][32];
+
 template <bool kGated, int kSlices>
 __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs p) {
   constexpr int kTiles = kGated ? 2 : 1;  // weight tiles per unit: gate and up, or one
   constexpr int kRows = 8 * kSlices;      // rows per pass
   constexpr int64_t kSlot = Fp8SlotBytes(kTiles);
   extern __shared__ __align__(16) uint8_t staged[];
-  __shared__ float partial[kWarps][kTiles][kSlices][4][32];
+  __shared__ Fp8Partial<kGated, kSlices> partial;
 
   const int64_t k = p.k, n = p.n, blocks_k = k / kFp8Block;
   const int64_t stride = k + kFp8RowPad;
@@ -551,9 +555,6 @@ template <bool kGated, int kSlices>
 int64_t Fp8DecodeSmem(int64_t k, int stages) {
   return Fp8StagingBytes(8 * kSlices, k) + kWarps * stages * Fp8SlotBytes(kGated ? 2 : 1);
 }
-template <bool kGated, int kSlices>
-constexpr int64_t kFp8PartialBytes = kWarps * (kGated ? 2 : 1) * kSlices * 4 * 32 * 4;
-
 // The deepest ring (up to the cap, at least 2) that fits beside the staged rows, or 0. The cap is
 // kFp8DefaultStages, or JAX_MOE_FP8_DECODE_STAGES (2 to 4: a knob for measuring the ring), read once.
 int Fp8StagesCap() {
@@ -568,7 +569,8 @@ int Fp8StagesCap() {
 template <bool kGated, int kSlices>
 int Fp8Stages(int64_t k) {
   for (int stages = Fp8StagesCap(); stages >= 2; --stages)
-    if (Fp8DecodeSmem<kGated, kSlices>(k, stages) + kFp8PartialBytes<kGated, kSlices> + 1024 <= kSmemBytes) return stages;
+    if (Fp8DecodeSmem<kGated, kSlices>(k, stages) + sizeof(Fp8Partial<kGated, kSlices>) + 1024 <= kSmemBytes)
+      return stages;
   return 0;
 }
 
