@@ -13,6 +13,7 @@
 #include "bf16_vector.cuh"
 #include "decode_gemm.h"
 #include "fp8_quantize.cuh"
+#include "grouped_gemm.h"
 
 namespace jax_moe {
 namespace {
@@ -299,10 +300,11 @@ cudaError_t LaunchGated(const DecodeGemmArgs& args, cudaStream_t stream) {
 
 
 // ---- FP8 experts (LaunchFp8DecodeSwiglu) ----
-// Grid: x = a run of units_per_block 16-row weight tiles (gate/up: a tile of gate rows and the
-// matching tile of up rows), y = a slot as above. The block stages its pass's rows quantised in
-// shared memory; its 8 warps split into units_per_block units of 8 / units_per_block warps, which
-// split the unit's K blocks. Each warp streams its tiles' K blocks through its own ring of
+// Grid: x = tiles_per_unit consecutive runs of units_per_block 16-row weight tiles (gate/up: a tile
+// of gate rows and the matching tile of up rows), y = a slot as above. The block stages its pass's
+// rows quantised in shared memory; its 8 warps split into units_per_block units of
+// 8 / units_per_block warps, which split the unit's K blocks, run after run (the block sums its
+// warps' parts at the end of each). Each warp streams its tiles' K blocks through its own ring of
 // `stages` shared-memory slots (cp.async: the next blocks' bytes stay in flight while it multiplies
 // one) and keeps float32 sums as mma.sync C fragments: per 128-deep K block, four m16n8k32
 // products into zeros, then sum += part * w_scale * row_scale.
@@ -364,6 +366,7 @@ struct Fp8DecodeGemmArgs {
   Bf16* out;                // [out_rows, gated ? N / 2 : N]
   int64_t out_rows, num_groups, k, n;
   int units_per_block, stages;
+  int tiles_per_unit;       // consecutive runs of units_per_block tiles a block takes
 };
 
 // Shared memory, dynamic: the pass's rows quantised [kRows][K + pad] bytes and their scales
@@ -396,16 +399,19 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
   const int g = lane >> 2, t = lane & 3;
   const int warps_per_unit = kWarps / p.units_per_block;
   const int unit = warp / warps_per_unit, part = warp % warps_per_unit;
-  const int64_t tile = static_cast<int64_t>(blockIdx.x) * p.units_per_block + unit;
-  const bool tile_ok = tile < tiles;
+  const int runs = p.tiles_per_unit;
+  // Run j of the block: tiles (blockIdx.x * runs + j) * units_per_block + unit, so a block streams
+  // a contiguous stretch of its expert's weights. Every warp takes the same `runs` (the block
+  // reduces once per run), idling on tiles past the last.
+  auto tile_of = [&](int j) { return (static_cast<int64_t>(blockIdx.x) * runs + j) * p.units_per_block + unit; };
   const int64_t block_begin = part * blocks_k / warps_per_unit, block_end = (part + 1) * blocks_k / warps_per_unit;
 
   // Rows past the live count are in no group: zero them (slot 0's blocks, their own columns).
   if (!kGated && blockIdx.y == 0) {
     const int live = Clamp(p.expert_offsets[p.num_groups], 0, out_rows);
-    const int64_t col0 = static_cast<int64_t>(blockIdx.x) * p.units_per_block * kFp8TileRows;
-    const int64_t cols_left = n - col0, cols = cols_left < p.units_per_block * kFp8TileRows ? cols_left
-                                                                                          : p.units_per_block * kFp8TileRows;
+    const int64_t span = static_cast<int64_t>(runs) * p.units_per_block * kFp8TileRows;
+    const int64_t col0 = static_cast<int64_t>(blockIdx.x) * span;
+    const int64_t cols = n - col0 < span ? n - col0 : span;
     for (int64_t i = threadIdx.x; i < static_cast<int64_t>(out_rows - live) * cols; i += kThreads)
       p.out[(live + i / cols) * n + col0 + i % cols] = __float2bfloat16_rn(0.0f);
   }
@@ -414,32 +420,35 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
 
   // The lane's copies: 16-byte chunk (lane % 8) of tile rows lane / 8 + 4j, j < 4, of each tile; and
   // lane i < kTiles copies tile i's weight scale (the up tile's rows start F rows on).
-  const int64_t row0 = (tile_ok ? tile : 0) * kFp8TileRows;
   const int copy_row = lane >> 3, copy_chunk = lane & 7;
-  const uint8_t* copy_src = p.weights + (group.index * n + row0 + copy_row) * k + copy_chunk * 16;
-  const float* scale_src = p.scale + (group.index * (n / kFp8Block) + (row0 + (lane == 1 ? out_width : 0)) / kFp8Block) * blocks_k;
-  auto issue = [&](int64_t kb, int slot) {
+  const int64_t count = block_end - block_begin;  // this warp's K blocks of each tile
+  const int64_t total = runs * count;             // its ring's sequence: run-major, then K block
+  auto issue = [&](int64_t item, int slot) {
+    const int64_t tile = tile_of(static_cast<int>(item / count)), kb = block_begin + item % count;
+    if (tile >= tiles) return;
+    const int64_t row0 = tile * kFp8TileRows;
+    const uint8_t* src = p.weights + (group.index * n + row0 + copy_row) * k + copy_chunk * 16 + kb * kFp8Block;
     uint8_t* dst = ring + slot * kSlot;
 #pragma unroll
     for (int i = 0; i < kTiles; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        CpAsync16(dst + i * kFp8TileBytes + SlotOffset(copy_row + 4 * j, copy_chunk),
-                  copy_src + (i * out_width + 4 * j) * k + kb * kFp8Block);
-    if (lane < kTiles) CpAsync4(dst + kTiles * kFp8TileBytes + lane * 4, scale_src + kb);
+        CpAsync16(dst + i * kFp8TileBytes + SlotOffset(copy_row + 4 * j, copy_chunk), src + (i * out_width + 4 * j) * k);
+    if (lane < kTiles)
+      CpAsync4(dst + kTiles * kFp8TileBytes + lane * 4,
+               p.scale + (group.index * (n / kFp8Block) + (row0 + (lane == 1 ? out_width : 0)) / kFp8Block) * blocks_k + kb);
   };
   auto wait = [&]() {  // until the oldest of the `stages` groups in flight has landed
     if (stages >= 4) CpAsyncWait<3>();
     else if (stages == 3) CpAsyncWait<2>();
     else CpAsyncWait<1>();
   };
-  const int64_t count = tile_ok ? block_end - block_begin : 0;
 
   for (int first = group.start; first < group.end; first += kRows) {
     const int rows_now = min(kRows, group.end - first);
     // The ring's first stages - 1 K blocks in flight while the rows are staged.
     for (int s = 0; s < stages - 1; ++s) {
-      if (s < count) issue(block_begin + s, s);
+      if (s < total) issue(s, s);
       CpAsyncCommit();
     }
     // Stage the pass's rows quantised (jax_moe.fp8.quantize_rows' bytes), kStageLoads pieces of 8
@@ -474,71 +483,77 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
     }
     __syncthreads();
 
-    float sum[kTiles][kSlices][4] = {};
-    for (int64_t it = 0; it < count; ++it) {
-      const int64_t next = it + stages - 1;
-      if (next < count) issue(block_begin + next, static_cast<int>(next % stages));
-      CpAsyncCommit();
-      wait();
-      __syncwarp();  // every lane's copies of block `it` are visible to the warp
-      const uint8_t* slot = ring + (it % stages) * kSlot;
-      const int64_t kb = block_begin + it;
+    for (int j = 0; j < runs; ++j) {
+      const int64_t tile = tile_of(j);
+      const bool tile_ok = tile < tiles;  // warp-uniform
+      float sum[kTiles][kSlices][4] = {};
+      for (int64_t i = 0; i < count; ++i) {
+        // The ring runs on across runs: the next run's first blocks load during this one's last.
+        const int64_t it = j * count + i, next = it + stages - 1;
+        if (next < total) issue(next, static_cast<int>(next % stages));
+        CpAsyncCommit();
+        wait();
+        __syncwarp();  // every lane's copies of block `it` are visible to the warp
+        if (!tile_ok) continue;
+        const uint8_t* slot = ring + (it % stages) * kSlot;
+        const int64_t kb = block_begin + i;
 #pragma unroll
-      for (int sl = 0; sl < kSlices; ++sl) {
-        const uint8_t* x = staged + (sl * 8 + g) * stride + kb * kFp8Block + t * 16;
-        const uint4 b[2] = {*reinterpret_cast<const uint4*>(x), *reinterpret_cast<const uint4*>(x + 64)};
-        const float xs0 = row_scale[(sl * 8 + 2 * t) * blocks_k + kb];
-        const float xs1 = row_scale[(sl * 8 + 2 * t + 1) * blocks_k + kb];
+        for (int sl = 0; sl < kSlices; ++sl) {
+          const uint8_t* x = staged + (sl * 8 + g) * stride + kb * kFp8Block + t * 16;
+          const uint4 b[2] = {*reinterpret_cast<const uint4*>(x), *reinterpret_cast<const uint4*>(x + 64)};
+          const float xs0 = row_scale[(sl * 8 + 2 * t) * blocks_k + kb];
+          const float xs1 = row_scale[(sl * 8 + 2 * t + 1) * blocks_k + kb];
 #pragma unroll
-        for (int i = 0; i < kTiles; ++i) {
-          const uint8_t* tile_bytes = slot + i * kFp8TileBytes;
-          const uint4 a[4] = {*reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g, t)),
-                              *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g, 4 + t)),
-                              *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g + 8, t)),
-                              *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g + 8, 4 + t))};
-          const float ws = reinterpret_cast<const float*>(slot + kTiles * kFp8TileBytes)[i];
-          float c[4];
-          MmaBlock(c, a, b);
-          sum[i][sl][0] = __fmaf_rn(c[0], __fmul_rn(ws, xs0), sum[i][sl][0]);
-          sum[i][sl][1] = __fmaf_rn(c[1], __fmul_rn(ws, xs1), sum[i][sl][1]);
-          sum[i][sl][2] = __fmaf_rn(c[2], __fmul_rn(ws, xs0), sum[i][sl][2]);
-          sum[i][sl][3] = __fmaf_rn(c[3], __fmul_rn(ws, xs1), sum[i][sl][3]);
+          for (int q = 0; q < kTiles; ++q) {
+            const uint8_t* tile_bytes = slot + q * kFp8TileBytes;
+            const uint4 a[4] = {*reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g, t)),
+                                *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g, 4 + t)),
+                                *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g + 8, t)),
+                                *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g + 8, 4 + t))};
+            const float ws = reinterpret_cast<const float*>(slot + kTiles * kFp8TileBytes)[q];
+            float c[4];
+            MmaBlock(c, a, b);
+            sum[q][sl][0] = __fmaf_rn(c[0], __fmul_rn(ws, xs0), sum[q][sl][0]);
+            sum[q][sl][1] = __fmaf_rn(c[1], __fmul_rn(ws, xs1), sum[q][sl][1]);
+            sum[q][sl][2] = __fmaf_rn(c[2], __fmul_rn(ws, xs0), sum[q][sl][2]);
+            sum[q][sl][3] = __fmaf_rn(c[3], __fmul_rn(ws, xs1), sum[q][sl][3]);
+          }
         }
+        __syncwarp();  // the slot is read before a later iteration's copies overwrite it
       }
-      __syncwarp();  // the slot is read before a later iteration's copies overwrite it
-    }
 #pragma unroll
-    for (int i = 0; i < kTiles; ++i)
+      for (int q = 0; q < kTiles; ++q)
 #pragma unroll
-      for (int sl = 0; sl < kSlices; ++sl)
+        for (int sl = 0; sl < kSlices; ++sl)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) partial[warp][i][sl][c][lane] = sum[i][sl][c];
-    __syncthreads();
-    // The unit's first warp sums its warps' parts in order and writes the unit's tile.
-    if (part == 0 && tile_ok) {
+          for (int c = 0; c < 4; ++c) partial[warp][q][sl][c][lane] = sum[q][sl][c];
+      __syncthreads();
+      // The unit's first warp sums its warps' parts in order and writes the unit's tile.
+      if (part == 0 && tile_ok) {
 #pragma unroll
-      for (int sl = 0; sl < kSlices; ++sl)
+        for (int sl = 0; sl < kSlices; ++sl)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int row = sl * 8 + 2 * t + (c & 1);  // C fragment: c0, c1 at weight row g, c2, c3 at g + 8
-          const int64_t col = tile * kFp8TileRows + g + (c >> 1) * 8;
-          float total[kTiles];
+          for (int c = 0; c < 4; ++c) {
+            const int row = sl * 8 + 2 * t + (c & 1);  // C fragment: c0, c1 at weight row g, c2, c3 at g + 8
+            const int64_t col = tile * kFp8TileRows + g + (c >> 1) * 8;
+            float total_q[kTiles];
 #pragma unroll
-          for (int i = 0; i < kTiles; ++i) {
-            total[i] = 0.0f;
-            for (int q = 0; q < warps_per_unit; ++q) total[i] = __fadd_rn(total[i], partial[warp + q][i][sl][c][lane]);
+            for (int q = 0; q < kTiles; ++q) {
+              total_q[q] = 0.0f;
+              for (int w = 0; w < warps_per_unit; ++w) total_q[q] = __fadd_rn(total_q[q], partial[warp + w][q][sl][c][lane]);
+            }
+            float result = total_q[0];
+            if constexpr (kGated) {
+              // As LaunchSwigluQuantize: gate and up rounded to bf16, silu(gate) * up in float32.
+              const float gate = __bfloat162float(__float2bfloat16_rn(total_q[0]));
+              const float up = __bfloat162float(__float2bfloat16_rn(total_q[kTiles - 1]));
+              result = gate / (1.0f + expf(-gate)) * up;
+            }
+            if (row < rows_now) p.out[static_cast<int64_t>(first + row) * out_width + col] = __float2bfloat16_rn(result);
           }
-          float result = total[0];
-          if constexpr (kGated) {
-            // As LaunchSwigluQuantize: gate and up rounded to bf16, silu(gate) * up in float32.
-            const float gate = __bfloat162float(__float2bfloat16_rn(total[0]));
-            const float up = __bfloat162float(__float2bfloat16_rn(total[kTiles - 1]));
-            result = gate / (1.0f + expf(-gate)) * up;
-          }
-          if (row < rows_now) p.out[static_cast<int64_t>(first + row) * out_width + col] = __float2bfloat16_rn(result);
-        }
+      }
+      __syncthreads();  // before the next run rewrites `partial` (or the next pass restages the rows)
     }
-    __syncthreads();  // before the next pass restages the rows and rewrites `partial`
   }
 }
 
@@ -548,6 +563,20 @@ int Fp8UnitsPerBlock(int64_t blocks_k) {
   int warps = kWarps;
   while (warps > 1 && blocks_k / warps < 4) warps /= 2;
   return kWarps / warps;
+}
+
+// Runs of tiles per block: enough that the grid fits in the blocks the SMs hold at once (a block
+// stages its rows and finds its expert once, then streams run after run through one ring; blocks
+// of one run each spent most of their life in that prologue: DeepSeek-V3's gate/up at T = 1 was
+// 1,024 blocks of 229 KB at one block an SM, ncu: 39 % of DRAM bandwidth). The slots bound the
+// experts owning rows from above. Rounded down to one wave: a second wave of a few long blocks
+// doubled the time (DeepSeek-V3 at T = 2, 144 blocks of 15 runs for 132 SMs: 319 us a call). With
+// more slots than the SMs hold, four blocks a slot: waves enough for a short tail.
+int Fp8RunsPerBlock(int64_t runs, int64_t slots, int64_t block_smem) {
+  const int64_t per_sm = block_smem + 1024 <= kSmemBytes / 2 ? 2 : 1;  // __launch_bounds__(kThreads, 2)
+  const int64_t capacity = (GemmSmCount() > 0 ? GemmSmCount() : kWaveBlocks) * per_sm;
+  const int64_t blocks_x = slots <= capacity ? capacity / slots : 4;
+  return static_cast<int>(std::max<int64_t>(1, (runs + blocks_x - 1) / blocks_x));
 }
 
 // Dynamic shared memory of a launch with `stages` slots a warp.
@@ -585,8 +614,11 @@ cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, cudaStream_t stream) {
                                                   static_cast<int>(smem));
   if (status != cudaSuccess) return status;
   const int64_t tiles = (kGated ? args.n / 2 : args.n) / kFp8TileRows;
-  const dim3 grid(static_cast<unsigned>((tiles + args.units_per_block - 1) / args.units_per_block),
-                  static_cast<unsigned>(std::min(args.num_groups, args.out_rows)));
+  const int64_t slots = std::min(args.num_groups, args.out_rows);
+  const int64_t runs = (tiles + args.units_per_block - 1) / args.units_per_block;
+  args.tiles_per_unit = Fp8RunsPerBlock(runs, slots, smem + sizeof(Fp8Partial<kGated, kSlices>));
+  const dim3 grid(static_cast<unsigned>((runs + args.tiles_per_unit - 1) / args.tiles_per_unit),
+                  static_cast<unsigned>(slots));
   kernel<<<grid, kThreads, smem, stream>>>(args);
   return cudaGetLastError();
 }
