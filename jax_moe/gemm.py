@@ -40,7 +40,11 @@ from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, MoEScra
 # 128 tile. When the most rows one expert can own is known (group_rows: T with distinct experts per
 # token), the decode kernel also needs it to be at most DECODE_MAX_GROUP_ROWS: with more rows per
 # expert CUTLASS's 64-row tile streams the weights faster (measured: Mixtral at T = 4, 586 vs 535 µs
-# per layer).
+# per layer). Fine-grained experts (at least DECODE_MANY_EXPERTS) are an exception: there an expert
+# rarely owns more than the rows per pass that the expected count asks for, and the decode kernel
+# wins while that count is at most DECODE_FINE_MAX_ROWS_PER_EXPERT (Qwen3-30B, whole stack per
+# layer: T = 4 107 vs 118 µs, T = 8 160 vs 175; at T = 16, 1.54 rows expected, 254 vs 249;
+# notebooks/results/decode_tile_rule_h200.txt).
 SMALL_M_TILE, LARGE_M_TILE, DECODE_TILE, MEDIUM_M_TILE = 0, 1, 2, 3
 TILES = (SMALL_M_TILE, MEDIUM_M_TILE, LARGE_M_TILE, DECODE_TILE)
 TILE_NAMES = {SMALL_M_TILE: "small", MEDIUM_M_TILE: "medium", LARGE_M_TILE: "large", DECODE_TILE: "decode"}
@@ -48,6 +52,8 @@ MEDIUM_M_MIN_ROWS_PER_EXPERT = 20
 LARGE_M_MIN_ROWS_PER_EXPERT = 512
 DECODE_MAX_ROWS_PER_EXPERT = 2.0
 DECODE_MAX_GROUP_ROWS = 2
+DECODE_MANY_EXPERTS = 64
+DECODE_FINE_MAX_ROWS_PER_EXPERT = 1.3
 DECODE_MAX_ROWS_PER_PASS = 8
 # The products of cuda/grouped_gemm.h (GemmOp).
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
@@ -82,10 +88,13 @@ def pick_tile(num_rows: int, num_groups: int, group_rows: int | None = None) -> 
     """The kernel configuration for at most num_rows live rows over num_groups experts.
 
     group_rows: the most rows one expert can own (T with distinct experts per token), when known:
-    the decode kernel is taken only up to DECODE_MAX_GROUP_ROWS of them.
+    the decode kernel is taken only up to DECODE_MAX_GROUP_ROWS of them, or, over at least
+    DECODE_MANY_EXPERTS experts, while each owning one expects at most DECODE_FINE_MAX_ROWS_PER_EXPERT.
     """
-    if (expected_rows_per_expert(num_rows, num_groups) <= DECODE_MAX_ROWS_PER_EXPERT
-            and (group_rows is None or group_rows <= DECODE_MAX_GROUP_ROWS)):
+    expected = expected_rows_per_expert(num_rows, num_groups)
+    if expected <= DECODE_MAX_ROWS_PER_EXPERT and (
+            group_rows is None or group_rows <= DECODE_MAX_GROUP_ROWS
+            or (num_groups >= DECODE_MANY_EXPERTS and expected <= DECODE_FINE_MAX_ROWS_PER_EXPERT)):
         return DECODE_TILE
     rows_per_expert = num_rows / max(1, min(num_groups, num_rows))
     if rows_per_expert >= LARGE_M_MIN_ROWS_PER_EXPERT:
@@ -96,10 +105,13 @@ def pick_tile(num_rows: int, num_groups: int, group_rows: int | None = None) -> 
 def decode_rows_per_pass(num_rows: int, num_groups: int, group_rows: int | None = None) -> int:
     """The decode kernel's rows per pass over an expert's weights: 1, 2, 4 or 8.
 
-    Enough for group_rows when given (an expert with more rows reads its weights again: from HBM
-    when they are larger than L2), else for the rows an owning expert expects.
+    Enough for group_rows when given and at most DECODE_MAX_GROUP_ROWS (an expert with more rows
+    reads its weights again: from HBM when they are larger than L2), else for the rows an owning
+    expert expects (fine-grained experts past DECODE_MAX_GROUP_ROWS: the few that own more make
+    another pass).
     """
-    wanted = group_rows if group_rows is not None else expected_rows_per_expert(num_rows, num_groups) - 0.1
+    wanted = (group_rows if group_rows is not None and group_rows <= DECODE_MAX_GROUP_ROWS
+              else expected_rows_per_expert(num_rows, num_groups) - 0.1)
     return next(rows for rows in (1, 2, 4, 8) if rows >= wanted or rows == DECODE_MAX_ROWS_PER_PASS)
 
 

@@ -128,9 +128,16 @@ def test_tile_choice_follows_rows_per_expert():
     # Knowing the most rows one expert can own (T): the decode kernel up to DECODE_MAX_GROUP_ROWS.
     assert gemm.pick_tile(8, 128, group_rows=1) == gemm.DECODE_TILE
     assert gemm.pick_tile(16, 128, group_rows=2) == gemm.DECODE_TILE
-    assert gemm.pick_tile(128, 128, group_rows=16) == gemm.SMALL_M_TILE
+    assert gemm.pick_tile(128, 128, group_rows=16) == gemm.SMALL_M_TILE  # Qwen3-30B at T=16: 1.58 expected
+    assert gemm.pick_tile(8, 8, group_rows=4) == gemm.SMALL_M_TILE        # Mixtral at T=4
+    # Past DECODE_MAX_GROUP_ROWS, fine-grained experts keep the decode kernel at few expected rows.
+    assert gemm.pick_tile(64, 128, group_rows=8) == gemm.DECODE_TILE      # Qwen3-30B at T=8: 1.27
+    assert gemm.pick_tile(32, 64, group_rows=4) == gemm.DECODE_TILE       # 64 experts, 1.26 expected
+    assert gemm.pick_tile(16, 32, group_rows=4) == gemm.SMALL_M_TILE      # 1.26 expected, but 32 experts
     assert gemm.decode_rows_per_pass(8, 128, group_rows=2) == 2
-    assert gemm.decode_rows_per_pass(8, 128, group_rows=5) == 8
+    # ... and their rows per pass follow the expected rows, not the bound.
+    assert gemm.decode_rows_per_pass(8, 128, group_rows=5) == 1
+    assert gemm.decode_rows_per_pass(64, 128, group_rows=8) == 2
     # Rows per pass of the decode kernel: what an owning expert expects, as a power of two.
     assert [gemm.decode_rows_per_pass(r, e) for r, e in [(2, 8), (8, 128), (128, 128), (32, 8), (1, 1)]] \
         == [1, 1, 2, 4, 1]
