@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import _validate, fp8, routing, stack
+from jax_moe import _validate, fp8, ops, routing, stack
 from jax_moe.config import MoEConfig
 from jax_moe.experts import (SHARED_NAMES, ExpertFn, run_experts, shared_experts,  # noqa: F401
                              swiglu_experts, uses_grouped_matmul)
@@ -208,13 +208,19 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
     config = scratch.config
     check_layer_params("moe_layer", layer_params, config, stacked=False)
     tokens = _flat_tokens("moe_layer", x, config)
-    logits = routing.router_logits(layer_params["router"], tokens)
-    weights, ids = routing.route_logits(logits, config, layer_params.get("router_bias"))
     # The scratch is state, not a differentiable value: stopping its gradient on the way in and
     # out keeps it out of autodiff entirely (otherwise custom_vjp instantiates a zero [R_cap, H]
     # tangent for it and a scanned stack carries that tangent through every layer). It lowers to
     # nothing, so the buffers still flow straight from one aliased call to the next.
-    scratch = permute(tokens, ids, lax.stop_gradient(scratch))
+    scratch = lax.stop_gradient(scratch)
+    router, bias = layer_params["router"], layer_params.get("router_bias")
+    if tokens.shape[0] <= ops.DECODE_ROUTE_TOKENS and ops.decode_route_fits(config, tokens.shape[0], router.dtype):
+        # A few tokens: the router in one kernel (differentiable: its backward keeps the ids).
+        weights, ids, logits, scratch = ops.route_decode(router, tokens, scratch, bias)
+    else:
+        logits = routing.router_logits(router, tokens)
+        weights, ids = routing.route_logits(logits, config, bias)
+    scratch = permute(tokens, ids, scratch)
     rows_out, scratch = run_experts(expert_fn, layer_params, scratch, tokens.shape[0])
     y = unpermute(rows_out, weights, scratch)
     shared = shared_experts(layer_params, tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -193,6 +194,12 @@ def rows_by_route(xs: tuple[jax.Array, ...], dest: jax.Array, src: jax.Array) ->
 
 # The CUDA decode router's limits (cuda/route_kernels.h, DecodeRouteFits).
 DECODE_ROUTE_MAX_TOKENS = 16
+# Layers route with route_decode's kernel up to this many tokens (moe_layer always; the bf16
+# stack's hand-written backward recomputes its routing in XLA, so only its inference forward).
+# Measured on the H200 (µs per layer, moe_stack steps): faster than XLA's routing at T = 1 (Qwen3-30B
+# 53.4 -> 47-49.5, Qwen3.5 129 -> 119-127, Mixtral 212 -> 206-210, DeepSeek-V3 even) and about even at
+# T = 2; slower at T = 16 (Qwen3-30B 240 -> 251-261: its reduction of H is latency-bound).
+DECODE_ROUTE_TOKENS = 2
 DECODE_ROUTE_MAX_EXPERTS = 512
 DECODE_ROUTE_MAX_PAIRS = 4096  # T * E
 DECODE_ROUTE_MAX_TOP_K = 32
@@ -230,12 +237,14 @@ def route_decode(router: jax.Array, x: jax.Array, scratch: MoEScratch, bias: jax
     On a GPU within ``decode_route_fits`` one kernel (``jax_moe_decode_route``) computes the
     logits, scores, top-k and weights where XLA runs six to ten small kernels: the same ids as
     route_logits of the kernel's logits; logits and weights within float32 rounding of XLA's (other
-    summation orders). Elsewhere, the XLA path. No autodiff rule: for inference (``jax_moe.stack``
-    takes it in a forward without a backward, at T <= ``stack.DECODE_ROUTE_TOKENS``). Measured on
-    the H200 at T = 1: 8.6 µs for Qwen3-30B's router (XLA's kernels for the same math about 13 µs);
-    12.5 µs for DeepSeek-V3's in the version before its two steps of loads in flight (not timed
-    alone since). Its reduction of H is a chain of dependent round trips (router loads, the partial
-    sums, the arrival counter, the last block's reads), not bandwidth-bound.
+    summation orders). Elsewhere, the XLA path. Differentiable in router and x: the backward is
+    XLA's, of the weights as a function of the logits at the chosen ids (``routing.chosen_weights``)
+    and of the logits themselves; the ids are kept, not chosen again, so the gradient is that of
+    the routing the forward took (the bias gets none, as in route_logits). Measured on the H200 at
+    T = 1: 8.6 µs for Qwen3-30B's router (XLA's kernels for the same math about 13 µs); 12.5 µs for
+    DeepSeek-V3's in the version before its two steps of loads in flight (not timed alone since).
+    Its reduction of H is a chain of dependent round trips (router loads, the partial sums, the
+    arrival counter, the last block's reads), not bandwidth-bound.
     """
     config = scratch.config
     want = {"router": (config.hidden_size, config.num_experts), "x": (jnp.shape(x)[0], config.hidden_size),
@@ -244,16 +253,21 @@ def route_decode(router: jax.Array, x: jax.Array, scratch: MoEScratch, bias: jax
         if value is not None and tuple(jnp.shape(value)) != want[name]:
             raise ValueError(f"route_decode: {name}: expected shape {want[name]} ([H, E], [T, H], [E]), "
                              f"got {tuple(jnp.shape(value))}")
+    bias_operand = jnp.zeros((1,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+    weights, ids, logits, workspace = _route_decode(config, bias is not None, router, x, bias_operand,
+                                                    scratch.workspace)
+    return weights, ids, logits, scratch.replace(workspace=workspace)
 
+
+def _route_decode_forward(config, has_bias: bool, router, x, bias_operand, workspace):
+    """route_decode's four results (the workspace last) on the kernel or XLA's path."""
     def xla(router, x, bias_operand, workspace):
         logits = routing.router_logits(router, x)
-        weights, ids = routing.route_logits(logits, config, bias)
+        weights, ids = routing.route_logits(logits, config, bias_operand if has_bias else None)
         return weights, ids, logits, workspace
 
-    bias_operand = jnp.zeros((1,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     if not decode_route_fits(config, x.shape[0], router.dtype):
-        weights, ids, logits, _ = xla(router, x, bias_operand, scratch.workspace)
-        return weights, ids, logits, scratch
+        return xla(router, x, bias_operand, workspace)
 
     def native(router, x, bias_operand, workspace):
         num_tokens, (hidden, experts) = x.shape[0], router.shape
@@ -266,16 +280,40 @@ def route_decode(router: jax.Array, x: jax.Array, scratch: MoEScratch, bias: jax
              jax.ShapeDtypeStruct(workspace.shape, workspace.dtype)),
             input_output_aliases={3: 4}, vmap_method=_VMAP_METHOD)
         logits, weights, ids, _, workspace = fence_results(call(
-            x, router, bias_operand, workspace, has_bias=np.bool_(bias is not None),
+            x, router, bias_operand, workspace, has_bias=np.bool_(has_bias),
             sigmoid=np.bool_(config.scoring == "sigmoid"), renormalize=np.bool_(config.renormalize),
             renormalize_epsilon=np.float32(config.renormalize_epsilon),
             scaling=np.float32(config.routed_scaling_factor), n_group=np.int64(config.n_group),
             topk_group=np.int64(config.topk_group)))
         return weights, ids, logits, workspace
 
-    weights, ids, logits, workspace = lax.platform_dependent(router, x, bias_operand, scratch.workspace,
-                                                             cuda=native, default=xla)
-    return weights, ids, logits, scratch.replace(workspace=workspace)
+    return lax.platform_dependent(router, x, bias_operand, workspace, cuda=native, default=xla)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _route_decode(config, has_bias: bool, router, x, bias_operand, workspace):
+    return _route_decode_forward(config, has_bias, router, x, bias_operand, workspace)
+
+
+def _route_decode_fwd(config, has_bias, router, x, bias_operand, workspace):
+    results = _route_decode_forward(config, has_bias, router, x, bias_operand, workspace)
+    return results, (router, x, results[1])
+
+
+def _route_decode_bwd(config, has_bias, residuals, cotangents):
+    router, x, ids = residuals
+    d_weights, _, d_logits, _ = cotangents
+
+    def routed(router, x):
+        logits = routing.router_logits(router, x)
+        return routing.chosen_weights(routing.scores_from_logits(logits, config), ids, config), logits
+
+    _, vjp = jax.vjp(routed, router, x)
+    d_router, d_x = vjp((d_weights, d_logits))
+    return d_router, d_x, None, None
+
+
+_route_decode.defvjp(_route_decode_fwd, _route_decode_bwd)
 
 
 def routes_by_src(values: jax.Array, src: jax.Array) -> jax.Array:

@@ -86,12 +86,18 @@ def route_logits(logits: jax.Array, config: MoEConfig, bias: jax.Array | None = 
         eligible = jnp.any(best_groups[:, :, None] == jnp.arange(config.n_group), axis=1)  # [T, n_group]
         choice = jnp.where(eligible[:, :, None], grouped, -jnp.inf).reshape(num_tokens, -1)
     _, ids = lax.top_k(lax.stop_gradient(choice), config.top_k)
+    return chosen_weights(scores, ids, config), ids.astype(jnp.int32)
+
+
+def chosen_weights(scores: jax.Array, ids: jax.Array, config: MoEConfig) -> jax.Array:
+    """[T, k] float32 weights of the chosen experts: scores [T, E] at ids [T, k], renormalised and
+    scaled as ``config`` says (``route_logits``' weights as a function of the scores alone)."""
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if config.renormalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + config.renormalize_epsilon)
     if config.routed_scaling_factor != 1.0:
         weights = weights * config.routed_scaling_factor
-    return weights, ids.astype(jnp.int32)
+    return weights
 
 
 def route(router: jax.Array, x: jax.Array, config: MoEConfig, bias: jax.Array | None = None

@@ -37,11 +37,6 @@ from jax_moe.experts import shared_experts, swiglu_grouped_forward, swiglu_group
 from jax_moe.scratch import MoEScratch
 
 EXPERT_WEIGHTS = ("gate_up", "down")
-# The forward without a backward routes with ops.route_decode's kernel up to this many tokens.
-# Measured on the H200 (µs per layer, moe_stack steps): faster than XLA's routing at T = 1 (Qwen3-30B
-# 53.4 -> 47-49.5, Qwen3.5 129 -> 119-127, Mixtral 212 -> 206-210, DeepSeek-V3 even) and about even at
-# T = 2; slower at T = 16 (Qwen3-30B 240 -> 251-261: its reduction of H is latency-bound).
-DECODE_ROUTE_TOKENS = 2
 
 
 def rms_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -120,12 +115,12 @@ def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: 
     config = scratch.config
     num_tokens = h.shape[0]
     small, gate_up, down = _split(layer_params)
-    route_kernel = (num_tokens <= DECODE_ROUTE_TOKENS
+    route_kernel = (num_tokens <= ops.DECODE_ROUTE_TOKENS
                     and ops.decode_route_fits(config, num_tokens, small["router"].dtype))
     if keep or not route_kernel:
         (n, weights, logits, shared), ids = _dense(small, h, config)
     else:
-        # Inference at T <= DECODE_ROUTE_TOKENS: the router in one kernel. (A training forward
+        # Inference at T <= ops.DECODE_ROUTE_TOKENS: the router in one kernel. (A training forward
         # routes in XLA: its backward recomputes that routing, and must find the same ids.)
         n = rms_norm(h)
         weights, ids, logits, scratch = ops.route_decode(small["router"], n, scratch, small.get("router_bias"))

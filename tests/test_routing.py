@@ -299,6 +299,40 @@ def test_route_decode_elsewhere_is_route_logits(monkeypatch):
         assert scratch.workspace.shape == init_scratch(config).workspace.shape
 
 
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_route_decode_gradient_is_route_logits_gradient(name, monkeypatch):
+    """route_decode's backward (XLA's, of the weights at the kept ids and of the logits) gives the
+    gradient that differentiating router_logits + route_logits gives, in router and x; the bias
+    gets none. On the CPU (the XLA branch, forced with the CUDA module present as well)."""
+    config = MoEConfig(num_experts=16, top_k=4, hidden_size=64, max_tokens=3, dtype=jnp.bfloat16, **ROUTINGS[name])
+    rng = np.random.default_rng(5)
+    router = jnp.asarray(rng.standard_normal((64, 16)) / 8, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(16) / 8, F32)
+    d_weights = jnp.asarray(rng.standard_normal((3, 4)), F32)
+    d_logits = jnp.asarray(rng.standard_normal((3, 16)), F32)
+
+    def via_decode(router, x, bias):
+        weights, _, logits, _ = jax_moe.ops.route_decode(router, x, init_scratch(config), bias)
+        return jnp.sum(weights * d_weights) + jnp.sum(logits * d_logits)
+
+    def via_xla(router, x, bias):
+        logits = routing.router_logits(router, x)
+        weights, _ = routing.route_logits(logits, config, bias)
+        return jnp.sum(weights * d_weights) + jnp.sum(logits * d_logits)
+
+    want = jax.jit(jax.grad(via_xla, argnums=(0, 1, 2)))(router, x, bias)
+    for has_cuda in (False, True):
+        monkeypatch.setattr(jax_moe._native, "HAS_CUDA", has_cuda)
+        monkeypatch.setattr(jax_moe._native, "decode_route_slices", lambda hidden: 1)
+        with jax.default_device(jax.devices("cpu")[0]):
+            got = jax.jit(jax.grad(via_decode, argnums=(0, 1, 2)))(router, x, bias)
+        assert jax_moe.ops.decode_route_fits(config, 3, router.dtype) == has_cuda  # the platform branch
+        for g, w in zip(got, want):  # the same float32 math, each gradient rounded to its input's dtype
+            np.testing.assert_array_equal(np.asarray(g, F32), np.asarray(w, F32))
+        assert np.abs(np.asarray(got[0], F32)).sum() > 0 and not np.asarray(got[2]).any()
+
+
 def test_decode_route_fits_its_limits(monkeypatch):
     monkeypatch.setattr(jax_moe._native, "HAS_CUDA", True)
     fits = jax_moe.ops.decode_route_fits
@@ -319,7 +353,7 @@ def test_decode_route_fits_its_limits(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing_name", ["softmax-renormalized", "deepseek-v3"])
 def test_gpu_decode_stack_uses_the_decode_router_and_training_does_not(routing_name):
-    num_tokens = jax_moe.stack.DECODE_ROUTE_TOKENS
+    num_tokens = jax_moe.ops.DECODE_ROUTE_TOKENS
     config = MoEConfig(num_experts=64, top_k=6, hidden_size=256, max_tokens=num_tokens, dtype=jnp.bfloat16,
                        **ROUTINGS[routing_name])
     params = init_moe_params(jax.random.key(0), config, 2, 128, router_bias=routing_name != "softmax-renormalized",
