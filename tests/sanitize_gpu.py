@@ -140,6 +140,21 @@ for num_tokens, ffn, hidden_size in ((1, 96, 264), (40, 1024, 264), (1, 768, 204
               "finite", bool(np.isfinite(np.asarray(decode_out, np.float32)).all()),
               "rows past live zero", not np.asarray(decode_out[live:], np.float32).any())
 
+# The FP8 decode kernel where a block takes several runs of tiles (16 slots, 8 owning experts; gate/up: 272
+# tiles, 4 a run, 5 runs a block, the last block's last two past the end; down: 34 K blocks over 8
+# warps, 4 or 5 each, 4 runs a block; rows 8-15 past the live ones).
+config = jax_moe.MoEConfig(num_experts=16, top_k=8, hidden_size=1024, max_tokens=2, dtype="bfloat16")
+rng = np.random.default_rng(6)
+scratch = jax.jit(jax_moe.permute)(rng.standard_normal((1, 1024)).astype(jax.numpy.bfloat16),
+                                   np.arange(8, dtype=np.int32)[None] * 2, jax_moe.init_scratch(config))
+gate_up_q, gate_up_s = jax.jit(jax_moe.fp8.quantize)(rng.standard_normal((16, 2 * 4352, 1024), np.float32) / 32)
+down_q, down_s = jax.jit(jax_moe.fp8.quantize)(rng.standard_normal((16, 1024, 4352), np.float32) / 64)
+runs_out, _ = jax.jit(lambda r, q, s, d, ds, o, ws: jax_moe.gemm.fp8_swiglu_forward(
+    r, q, s, d, ds, o, ws, config.capacity, decode_rows=8))(
+    scratch.permuted, gate_up_q, gate_up_s, down_q, down_s, scratch.expert_offsets, scratch.workspace)
+print("fp8 decode runs: finite", bool(np.isfinite(np.asarray(runs_out, np.float32)).all()),
+      "rows past live zero", not np.asarray(runs_out[8:], np.float32).any())
+
 # The decode router: one token and two token groups (T = 12), softmax and DeepSeek-V3's groups
 # with a bias, E from 8 to 512 (a partial expert tile at E = 8).
 for num_tokens, experts, hidden_size, extra in ((1, 128, 2048, {}), (12, 256, 7168, dict(
