@@ -44,7 +44,8 @@ from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, MoEScra
 # rarely owns more than the rows per pass that the expected count asks for, and the decode kernel
 # wins while that count is at most DECODE_FINE_MAX_ROWS_PER_EXPERT (Qwen3-30B, whole stack per
 # layer: T = 4 107 vs 118 µs, T = 8 160 vs 175; at T = 16, 1.54 rows expected, 254 vs 249;
-# notebooks/results/decode_tile_rule_h200.txt).
+# notebooks/results/decode_tile_rule_h200.txt. With the rule: DeepSeek-V3 T = 16, 1.27 expected,
+# 2162 vs 2194; Qwen3.5 T = 16, 1.16, 898 vs 925; bench_decode_fine_rule*_h200.md).
 SMALL_M_TILE, LARGE_M_TILE, DECODE_TILE, MEDIUM_M_TILE = 0, 1, 2, 3
 TILES = (SMALL_M_TILE, MEDIUM_M_TILE, LARGE_M_TILE, DECODE_TILE)
 TILE_NAMES = {SMALL_M_TILE: "small", MEDIUM_M_TILE: "medium", LARGE_M_TILE: "large", DECODE_TILE: "decode"}
