@@ -300,7 +300,7 @@ cudaError_t LaunchGated(const DecodeGemmArgs& args, cudaStream_t stream) {
 
 
 // ---- FP8 experts (LaunchFp8DecodeSwiglu) ----
-// Grid: x = tiles_per_unit consecutive runs of units_per_block 16-row weight tiles (gate/up: a tile
+// Grid: x = runs_per_block consecutive runs of units_per_block 16-row weight tiles (gate/up: a tile
 // of gate rows and the matching tile of up rows), y = a slot as above. The block stages its pass's
 // rows quantised in shared memory; its 8 warps split into units_per_block units of
 // 8 / units_per_block warps, which split the unit's K blocks, run after run (the block sums its
@@ -366,7 +366,7 @@ struct Fp8DecodeGemmArgs {
   Bf16* out;                // [out_rows, gated ? N / 2 : N]
   int64_t out_rows, num_groups, k, n;
   int units_per_block, stages;
-  int tiles_per_unit;       // consecutive runs of units_per_block tiles a block takes
+  int runs_per_block;       // consecutive runs of units_per_block tiles a block takes (Fp8RunsPerBlock)
 };
 
 // Shared memory, dynamic: the pass's rows quantised [kRows][K + pad] bytes and their scales
@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
   const int g = lane >> 2, t = lane & 3;
   const int warps_per_unit = kWarps / p.units_per_block;
   const int unit = warp / warps_per_unit, part = warp % warps_per_unit;
-  const int runs = p.tiles_per_unit;
+  const int runs = p.runs_per_block;
   // Run j of the block: tiles (blockIdx.x * runs + j) * units_per_block + unit, so a block streams
   // a contiguous stretch of its expert's weights. Every warp takes the same `runs` (the block
   // reduces once per run), idling on tiles past the last.
@@ -536,17 +536,17 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
           for (int c = 0; c < 4; ++c) {
             const int row = sl * 8 + 2 * t + (c & 1);  // C fragment: c0, c1 at weight row g, c2, c3 at g + 8
             const int64_t col = tile * kFp8TileRows + g + (c >> 1) * 8;
-            float total_q[kTiles];
+            float tile_sum[kTiles];
 #pragma unroll
             for (int q = 0; q < kTiles; ++q) {
-              total_q[q] = 0.0f;
-              for (int w = 0; w < warps_per_unit; ++w) total_q[q] = __fadd_rn(total_q[q], partial[warp + w][q][sl][c][lane]);
+              tile_sum[q] = 0.0f;
+              for (int w = 0; w < warps_per_unit; ++w) tile_sum[q] = __fadd_rn(tile_sum[q], partial[warp + w][q][sl][c][lane]);
             }
-            float result = total_q[0];
+            float result = tile_sum[0];
             if constexpr (kGated) {
               // As LaunchSwigluQuantize: gate and up rounded to bf16, silu(gate) * up in float32.
-              const float gate = __bfloat162float(__float2bfloat16_rn(total_q[0]));
-              const float up = __bfloat162float(__float2bfloat16_rn(total_q[kTiles - 1]));
+              const float gate = __bfloat162float(__float2bfloat16_rn(tile_sum[0]));
+              const float up = __bfloat162float(__float2bfloat16_rn(tile_sum[kTiles - 1]));
               result = gate / (1.0f + expf(-gate)) * up;
             }
             if (row < rows_now) p.out[static_cast<int64_t>(first + row) * out_width + col] = __float2bfloat16_rn(result);
@@ -616,8 +616,8 @@ cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, cudaStream_t stream) {
   const int64_t tiles = (kGated ? args.n / 2 : args.n) / kFp8TileRows;
   const int64_t slots = std::min(args.num_groups, args.out_rows);
   const int64_t runs = (tiles + args.units_per_block - 1) / args.units_per_block;
-  args.tiles_per_unit = Fp8RunsPerBlock(runs, slots, smem + sizeof(Fp8Partial<kGated, kSlices>));
-  const dim3 grid(static_cast<unsigned>((runs + args.tiles_per_unit - 1) / args.tiles_per_unit),
+  args.runs_per_block = Fp8RunsPerBlock(runs, slots, smem + sizeof(Fp8Partial<kGated, kSlices>));
+  const dim3 grid(static_cast<unsigned>((runs + args.runs_per_block - 1) / args.runs_per_block),
                   static_cast<unsigned>(slots));
   kernel<<<grid, kThreads, smem, stream>>>(args);
   return cudaGetLastError();

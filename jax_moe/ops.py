@@ -194,16 +194,16 @@ def rows_by_route(xs: tuple[jax.Array, ...], dest: jax.Array, src: jax.Array) ->
 
 # The CUDA decode router's limits (cuda/route_kernels.h, DecodeRouteFits).
 DECODE_ROUTE_MAX_TOKENS = 16
+DECODE_ROUTE_MAX_EXPERTS = 512
+DECODE_ROUTE_MAX_PAIRS = 4096  # T * E
+DECODE_ROUTE_MAX_TOP_K = 32
+DECODE_ROUTE_MAX_GROUPS = 32
 # Layers route with route_decode's kernel up to this many tokens (moe_layer always; the bf16
 # stack's hand-written backward recomputes its routing in XLA, so only its inference forward).
 # Measured on the H200 (µs per layer, moe_stack steps): faster than XLA's routing at T = 1 (Qwen3-30B
 # 53.4 -> 47-49.5, Qwen3.5 129 -> 119-127, Mixtral 212 -> 206-210, DeepSeek-V3 even) and about even at
 # T = 2; slower at T = 16 (Qwen3-30B 240 -> 251-261: its reduction of H is latency-bound).
 DECODE_ROUTE_TOKENS = 2
-DECODE_ROUTE_MAX_EXPERTS = 512
-DECODE_ROUTE_MAX_PAIRS = 4096  # T * E
-DECODE_ROUTE_MAX_TOP_K = 32
-DECODE_ROUTE_MAX_GROUPS = 32
 
 
 def decode_route_fits(config, num_tokens: int, router_dtype) -> bool:
