@@ -206,6 +206,19 @@ def test_decode_suite_reports_roofline_of_the_bytes_read():
     assert "roofline" in text and TINY.label in text
 
 
+def test_decode_suite_cutlass_variant_switches_off_every_decode_pick():
+    """The `jax_moe/cutlass` column must be the decode kernel's absence everywhere it is picked:
+    at T <= 2 and, over many experts, past two rows a group (the fine-grained rule)."""
+    from jax_moe import gemm
+    qwen3 = MODELS["qwen3_30b"]
+    picks = [(qwen3.config(t).live_row_bound(t), qwen3.num_experts, qwen3.config(t).group_row_bound(t))
+             for t in (1, 2, 4, 8)]
+    assert all(gemm.pick_tile(*pick) == gemm.DECODE_TILE for pick in picks)
+    with decode_suite.decode_kernel(False):
+        assert all(gemm.pick_tile(*pick) != gemm.DECODE_TILE for pick in picks)
+    assert gemm.pick_tile(*picks[-1]) == gemm.DECODE_TILE  # restored
+
+
 def test_decode_suite_times_fp8_experts_against_their_own_roofline():
     model = dataclasses.replace(TINY, name="tiny128", label="tiny 128", hidden_size=128, ffn_size=128)
     rows, _ = decode_suite.run([model], (2,), timing.Clock(), 1, with_peer=False)
