@@ -574,7 +574,8 @@ int Fp8UnitsPerBlock(int64_t blocks_k) {
 // more slots than the SMs hold, four blocks a slot: waves enough for a short tail.
 int Fp8RunsPerBlock(int64_t runs, int64_t slots, int64_t block_smem) {
   const int64_t per_sm = block_smem + 1024 <= kSmemBytes / 2 ? 2 : 1;  // __launch_bounds__(kThreads, 2)
-  const int64_t capacity = (GemmSmCount() > 0 ? GemmSmCount() : kWaveBlocks) * per_sm;
+  const int sms = GemmSmCount();
+  const int64_t capacity = (sms > 0 ? sms : kWaveBlocks) * per_sm;
   const int64_t blocks_x = slots <= capacity ? capacity / slots : 4;
   return static_cast<int>(std::max<int64_t>(1, (runs + blocks_x - 1) / blocks_x));
 }

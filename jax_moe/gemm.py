@@ -504,14 +504,15 @@ def fp8_dequantized_matmul(rows, weights_nk, scale_nk, offsets, num_rows: int):
 
 # The FP8 decode kernel (cuda/decode_gemm.h, LaunchFp8DecodeSwiglu): both projections in two
 # launches (the rows quantised in each block, SwiGLU in the gate/up epilogue), no quantisation,
-# setup or activation kernels between, no workspace. It streams the weights slower than CUTLASS's
-# FP8 GEMM (DeepSeek-V3's experts at T = 1, 352 MB: 158 vs 118 us) but starts faster, so it is
-# taken for small reads: owning experts expecting at most FP8_DECODE_MAX_ROWS_PER_EXPERT rows and,
-# together, at most FP8_DECODE_MAX_BYTES of weights (measured on the H200, kernel times per call:
-# DeepSeek-V3's shared expert at T = 1, 44 MB, 24 vs 43 us, and at T = 4, 31 vs 45; Qwen3-30B's
-# experts at T = 1, 38 MB, 21 vs 33 us; Qwen3.5-397B's at T = 1, 126 MB, 59 vs 65 us; Qwen3-30B's
-# at T = 16, 382 MB, 140 vs 122 us; the shared expert at T = 16, 66 vs 44 us:
-# notebooks/results/fp8_decode_kernel_h200.md, python -m jax_moe.bench.fp8_decode_probe).
+# setup or activation kernels between, no workspace. It streams large reads no faster than
+# CUTLASS's FP8 GEMM (DeepSeek-V3's experts at T = 1, 352 MB: 125 vs 119 us; at T = 2, 232 vs 194)
+# but starts faster, so it is taken for small reads: owning experts expecting at most
+# FP8_DECODE_MAX_ROWS_PER_EXPERT rows and, together, at most FP8_DECODE_MAX_BYTES of weights
+# (measured on the H200, kernel times per call: DeepSeek-V3's shared expert at T = 1, 44 MB, 25 vs
+# 44 us, and at T = 4, 32 vs 44; Qwen3-30B's experts at T = 1, 38 MB, 22 vs 33 us; Qwen3.5-397B's
+# at T = 1, 126 MB, 51 vs 64 us; Qwen3-30B's at T = 16, 382 MB, 124 vs 123 us; the shared expert at
+# T = 16, 75 vs 44 us; Mixtral's two experts at T = 1, 352 MB, 122 vs 130, left on CUTLASS with
+# DeepSeek-V3's: notebooks/results/fp8_decode_runs_h200.md, python -m jax_moe.bench.fp8_decode_probe).
 FP8_DECODE_MAX_ROWS_PER_EXPERT = 4.0
 FP8_DECODE_MAX_BYTES = 128e6
 FP8_DECODE_MAX_K = 16384
