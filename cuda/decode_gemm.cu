@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 #include "bf16_vector.cuh"
 #include "decode_gemm.h"
@@ -108,11 +109,14 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   __shared__ float block_sum[kSplit > 1 ? kRowsPerPass : 1][kSplit > 1 ? kTileCols : 1];
   const int split = kSplit > 1 ? static_cast<int>(blockIdx.z) : 0;
 
-  const Bf16* rows = static_cast<const Bf16*>(p.rows);
-  Bf16* out = static_cast<Bf16*>(p.out);
-  const int64_t k = p.k, n = p.n;
+  // The last slot takes the shared product, when there is one (decode_gemm.h).
+  const bool shared = p.shared_weights != nullptr && blockIdx.y == gridDim.y - 1;
+  const Bf16* rows = static_cast<const Bf16*>(shared ? p.shared_x : p.rows);
+  Bf16* out = static_cast<Bf16*>(shared ? p.shared_out : p.out);
+  const int64_t k = shared ? p.shared_k : p.k, n = shared ? p.shared_n : p.n;
   const int64_t out_width = kGated ? n / 2 : n;
   const int64_t out_col0 = static_cast<int64_t>(blockIdx.x) * kOutCols;
+  if (out_col0 >= out_width) return;  // the grid spans the wider of the two products
   const int out_rows = static_cast<int>(p.out_rows);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int lane_k = lane / kVectors, vec = lane % kVectors;
@@ -132,16 +136,17 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   }
 
   // Rows past the live count are in no group: zero them (slot 0's blocks, one column tile each).
-  if (blockIdx.y == 0 && split == 0) {
+  if (blockIdx.y == 0 && !shared && split == 0) {
     const int live = Clamp(p.expert_offsets[p.num_groups], 0, out_rows);
     for (int64_t i = threadIdx.x; i < static_cast<int64_t>(out_rows - live) * kOutCols; i += kThreads) {
       const int64_t c = out_col0 + i % kOutCols;
       if (c < out_width) out[(live + i / kOutCols) * out_width + c] = __float2bfloat16_rn(0.0f);
     }
   }
-  const Group group = FindGroup(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, blockIdx.y);
+  const Group group = shared ? Group{0, 0, static_cast<int>(p.shared_rows)}
+                             : FindGroup(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, blockIdx.y);
   if (group.index < 0) return;
-  const Bf16* weights = static_cast<const Bf16*>(p.weights) + group.index * k * n + col;
+  const Bf16* weights = static_cast<const Bf16*>(shared ? p.shared_weights : p.weights) + group.index * k * n + col;
 
   // This block's K range: whole steps of 8 rows.
   const int64_t k_chunk = kSplit > 1 ? (k / kStepRows + kSplit - 1) / kSplit * kStepRows : k;
@@ -235,13 +240,78 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   }
 }
 
+// One block per SM of a 132-SM H100/H200: the grid the bf16 kernel aims for. Measured on the H200
+// at the four models' T = 1 shapes (kernel times, splits 1-8 x both tile widths): a grid of up to
+// about one wave streams best as narrow tiles without a split (Qwen3-30B gate/up 16.4 us vs 18.7
+// wide, Mixtral's down projection 57.8 vs 86.3 wide); a split only pays while the narrow grid
+// is at most half a wave (DeepSeek-V3's shared gate/up, 64 blocks: 18.2 us split 2 vs 24.2), and
+// clusters of 4 over a grid past one wave cost up to 30 % (Mixtral down 79.5 us at 256 blocks).
+constexpr int64_t kWaveBlocks = 132;
+
+// A launch's shape: the tile width (wide: 128 weight columns, each warp reading 256 contiguous
+// bytes per k row; narrow: 64), a K split over clusters of `split` blocks, and the grid: (tiles of
+// the wider product, slots: the experts that can own rows, then the shared product's), of which
+// `working` blocks have columns to compute.
+struct DecodeShape {
+  bool wide;
+  int split;
+  int64_t tiles, slots, working;
+};
+
+// Bytes of weights the busiest SM streams: each SM streams at about its share of the copy rate, so
+// a launch lasts about as long as its busiest SM, which holds ceil(blocks / SMs) of them. (The
+// four models' T = 1 launches match it within ~10 %: Qwen3-30B's gate/up, 192 narrow blocks, two
+// on some SMs, 16.9 us where its 50 MB alone would take 11.8.)
+int64_t BusiestSmBytes(const DecodeShape& shape, int64_t k) {
+  const int sms = GemmSmCount();
+  const int64_t wave = sms > 0 ? sms : kWaveBlocks;
+  return (shape.working * shape.split + wave - 1) / wave * (k / shape.split) * (shape.wide ? 128 : 64) * 2;
+}
+
+// JAX_MOE_DECODE_SHAPE=balanced also weighs the other tile width by BusiestSmBytes (a knob for
+// measuring it against the rule below; read once).
+bool BalancedDecodeShape() {
+  static const bool balanced = [] {
+    const char* value = std::getenv("JAX_MOE_DECODE_SHAPE");
+    return value != nullptr && std::string(value) == "balanced";
+  }();
+  return balanced;
+}
+
+// The shape: wide tiles while they fill more than a wave of blocks, narrow ones otherwise (with
+// JAX_MOE_DECODE_SHAPE=balanced, the other width where it leaves the busiest SM fewer bytes:
+// DeepSeek-V3's down projection at T = 1, 448 wide blocks are four on some SMs, 896 narrow ones at
+// most seven, 12 % fewer bytes); then a K split while the grid is at most half a wave (kWaveBlocks).
+DecodeShape ShapeOf(const DecodeGemmArgs& args) {
+  const bool gated = args.gated, shared = args.shared_weights != nullptr;
+  const int64_t routed_slots = std::min(args.num_groups, args.out_rows);
+  const int64_t routed_width = gated ? args.n / 2 : args.n, shared_width = gated ? args.shared_n / 2 : args.shared_n;
+  const int64_t k = std::min(routed_slots > 0 ? args.k : INT64_MAX, shared ? args.shared_k : INT64_MAX);
+  const int64_t deepest = std::max(routed_slots > 0 ? args.k : 0, shared ? args.shared_k : 0);
+  auto shape_of = [&](bool wide) {
+    const int64_t out_cols = (gated ? 32 : 64) * (wide ? 2 : 1);
+    const int64_t routed_tiles = routed_slots > 0 ? (routed_width + out_cols - 1) / out_cols : 0;
+    const int64_t shared_tiles = shared ? (shared_width + out_cols - 1) / out_cols : 0;
+    return DecodeShape{wide, 1, std::max(routed_tiles, shared_tiles), routed_slots + (shared ? 1 : 0),
+                       routed_tiles * routed_slots + shared_tiles};
+  };
+  const DecodeShape wide = shape_of(true), narrow = shape_of(false);
+  DecodeShape shape = wide.working > kWaveBlocks ? wide : narrow;
+  const DecodeShape& other = shape.wide ? narrow : wide;
+  if (BalancedDecodeShape() && BusiestSmBytes(other, deepest) < BusiestSmBytes(shape, deepest)) shape = other;
+  const int64_t k_steps = k / kStepRows;
+  for (int split : {4, 2})
+    if (split * shape.working <= kWaveBlocks && k_steps >= split * kWarps * (32 / (shape.wide ? 16 : 8))) {
+      shape.split = split;
+      break;
+    }
+  return shape;
+}
+
 template <int kVectors, int kRowsPerPass, bool kGated, int kSplit>
-cudaError_t LaunchSplit(const DecodeGemmArgs& args, cudaStream_t stream) {
-  constexpr int kOutCols = kGated ? kVectors * 4 : kVectors * 8;
-  const int64_t out_width = kGated ? args.n / 2 : args.n;
+cudaError_t LaunchSplit(const DecodeGemmArgs& args, const DecodeShape& shape, cudaStream_t stream) {
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>((out_width + kOutCols - 1) / kOutCols),
-                        static_cast<unsigned>(std::min(args.num_groups, args.out_rows)), kSplit);
+  config.gridDim = dim3(static_cast<unsigned>(shape.tiles), static_cast<unsigned>(shape.slots), kSplit);
   config.blockDim = dim3(kThreads);
   config.stream = stream;
   cudaLaunchAttribute cluster{};
@@ -252,52 +322,55 @@ cudaError_t LaunchSplit(const DecodeGemmArgs& args, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, DecodeGemmKernel<kVectors, kRowsPerPass, kGated, kSplit>, args);
 }
 
-// One block per SM of a 132-SM H100/H200: the grid the bf16 kernel aims for. Measured on the H200
-// at the four models' T = 1 shapes (kernel times, splits 1-8 x both tile widths): a grid of up to
-// about one wave streams best as narrow tiles without a split (Qwen3-30B gate/up 16.4 us vs 18.7
-// wide, Mixtral's down projection 57.8 vs 86.3 wide); a split only pays while the narrow grid
-// is at most half a wave (DeepSeek-V3's shared gate/up, 64 blocks: 18.2 us split 2 vs 24.2), and
-// clusters of 4 over a grid past one wave cost up to 30 % (Mixtral down 79.5 us at 256 blocks).
-constexpr int64_t kWaveBlocks = 132;
-
 template <int kVectors, int kRowsPerPass, bool kGated>
-cudaError_t Launch(const DecodeGemmArgs& args, cudaStream_t stream) {
-  constexpr int kOutCols = kGated ? kVectors * 4 : kVectors * 8;
-  const int64_t out_width = kGated ? args.n / 2 : args.n;
-  const int64_t blocks = (out_width + kOutCols - 1) / kOutCols * std::min(args.num_groups, args.out_rows);
-  const int64_t k_steps = args.k / kStepRows;
-  if (4 * blocks <= kWaveBlocks && k_steps >= 4 * kWarps * (32 / kVectors))
-    return LaunchSplit<kVectors, kRowsPerPass, kGated, 4>(args, stream);
-  if (2 * blocks <= kWaveBlocks && k_steps >= 2 * kWarps * (32 / kVectors))
-    return LaunchSplit<kVectors, kRowsPerPass, kGated, 2>(args, stream);
-  return LaunchSplit<kVectors, kRowsPerPass, kGated, 1>(args, stream);
+cudaError_t Launch(const DecodeGemmArgs& args, const DecodeShape& shape, cudaStream_t stream) {
+  switch (shape.split) {
+    case 4:
+      return LaunchSplit<kVectors, kRowsPerPass, kGated, 4>(args, shape, stream);
+    case 2:
+      return LaunchSplit<kVectors, kRowsPerPass, kGated, 2>(args, shape, stream);
+  }
+  return LaunchSplit<kVectors, kRowsPerPass, kGated, 1>(args, shape, stream);
 }
 
 template <int kVectors, bool kGated>
-cudaError_t LaunchRows(const DecodeGemmArgs& args, cudaStream_t stream) {
+cudaError_t LaunchRows(const DecodeGemmArgs& args, const DecodeShape& shape, cudaStream_t stream) {
   switch (args.rows_per_pass) {
     case 1:
-      return Launch<kVectors, 1, kGated>(args, stream);
+      return Launch<kVectors, 1, kGated>(args, shape, stream);
     case 2:
-      return Launch<kVectors, 2, kGated>(args, stream);
+      return Launch<kVectors, 2, kGated>(args, shape, stream);
     case 4:
-      return Launch<kVectors, 4, kGated>(args, stream);
+      return Launch<kVectors, 4, kGated>(args, shape, stream);
     case 8:
-      return Launch<kVectors, 8, kGated>(args, stream);
+      return Launch<kVectors, 8, kGated>(args, shape, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 template <bool kGated>
-cudaError_t LaunchGated(const DecodeGemmArgs& args, cudaStream_t stream) {
-  // 128-column tiles (each warp reads 256 contiguous bytes per k row) while they fill more than a
-  // wave of blocks; 64-column tiles otherwise (kWaveBlocks).
-  const int64_t out_width = kGated ? args.n / 2 : args.n;
-  const int64_t wide_cols = kGated ? 64 : 128;
-  const int64_t wide_blocks = (out_width + wide_cols - 1) / wide_cols * std::min(args.num_groups, args.out_rows);
-  return wide_blocks > kWaveBlocks ? LaunchRows<16, kGated>(args, stream) : LaunchRows<8, kGated>(args, stream);
+cudaError_t LaunchShaped(const DecodeGemmArgs& args, cudaStream_t stream) {
+  const DecodeShape shape = ShapeOf(args);
+  return shape.wide ? LaunchRows<16, kGated>(args, shape, stream) : LaunchRows<8, kGated>(args, shape, stream);
 }
 
+cudaError_t LaunchOne(const DecodeGemmArgs& args, cudaStream_t stream) {
+  return args.gated ? LaunchShaped<true>(args, stream) : LaunchShaped<false>(args, stream);
+}
+
+// Whether the shared product joins the routed experts' launch: when that leaves the busiest SM no
+// more bytes than the two launches apart (BusiestSmBytes; a launch of its own costs its start and
+// its tail besides). Measured: Qwen3.5's shared expert at T = 1 fills the routed grid's last wave
+// (101 us a layer joined vs 114 apart); DeepSeek-V3's gate/up, 256 blocks, two an SM, would make
+// some SMs stream three (243 us joined, both projections, vs 229 apart).
+bool SharedJoinsLaunch(const DecodeGemmArgs& args) {
+  if (std::min(args.num_groups, args.out_rows) == 0) return true;
+  DecodeGemmArgs routed = args, shared = args;
+  routed.shared_weights = nullptr;
+  shared.out_rows = 0;
+  return BusiestSmBytes(ShapeOf(args), std::max(args.k, args.shared_k)) <=
+         BusiestSmBytes(ShapeOf(routed), args.k) + BusiestSmBytes(ShapeOf(shared), args.shared_k);
+}
 
 // ---- FP8 experts (LaunchFp8DecodeSwiglu) ----
 // Grid: x = runs_per_block consecutive runs of units_per_block 16-row weight tiles (gate/up: a tile
@@ -367,10 +440,11 @@ struct Fp8DecodeGemmArgs {
   int64_t out_rows, num_groups, k, n;
   int units_per_block, stages;
   int runs_per_block;       // consecutive runs of units_per_block tiles a block takes (Fp8RunsPerBlock)
+  int pass_rows;            // rows staged per pass, 1 to 8 * kSlices: no more than one expert can own
 };
 
-// Shared memory, dynamic: the pass's rows quantised [kRows][K + pad] bytes and their scales
-// [kRows][K / 128] (Fp8StagingBytes), then each warp's ring of `stages` slots: kTiles K blocks of
+// Shared memory, dynamic: the pass's rows quantised [pass_rows][K + pad] bytes and their scales
+// [pass_rows][K / 128] (Fp8StagingBytes), then each warp's ring of `stages` slots: kTiles K blocks of
 // its tiles and their kTiles weight scales (Fp8SlotBytes).
 __host__ __device__ constexpr int64_t Fp8SlotBytes(int tiles) { return tiles * kFp8TileBytes + 16; }
 __host__ __device__ inline int64_t Fp8StagingBytes(int64_t rows, int64_t k) { return (rows * (k + kFp8RowPad) + rows * (k / kFp8Block) * 4 + 15) / 16 * 16; }
@@ -382,16 +456,19 @@ using Fp8Partial = float[kWarps][kGated ? 2 : 1][kSlices][4][32];
 template <bool kGated, int kSlices>
 __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs p) {
   constexpr int kTiles = kGated ? 2 : 1;  // weight tiles per unit: gate and up, or one
-  constexpr int kRows = 8 * kSlices;      // rows per pass
   constexpr int64_t kSlot = Fp8SlotBytes(kTiles);
   extern __shared__ __align__(16) uint8_t staged[];
   __shared__ Fp8Partial<kGated, kSlices> partial;
 
   const int64_t k = p.k, n = p.n, blocks_k = k / kFp8Block;
   const int64_t stride = k + kFp8RowPad;
-  float* row_scale = reinterpret_cast<float*>(staged + kRows * stride);
+  // Only pass_rows rows are staged (T = 1: one row of 7 KB rather than eight, for DeepSeek-V3's
+  // gate/up: two blocks an SM); the products' columns past them read the last staged row again
+  // and are never stored.
+  const int pass_rows = p.pass_rows;
+  float* row_scale = reinterpret_cast<float*>(staged + pass_rows * stride);
   const int stages = p.stages;
-  uint8_t* ring = staged + Fp8StagingBytes(kRows, k) + (threadIdx.x >> 5) * stages * kSlot;
+  uint8_t* ring = staged + Fp8StagingBytes(pass_rows, k) + (threadIdx.x >> 5) * stages * kSlot;
   const int64_t out_width = kGated ? n / 2 : n;
   const int64_t tiles = out_width / kFp8TileRows;
   const int out_rows = static_cast<int>(p.out_rows);
@@ -444,8 +521,8 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
     else CpAsyncWait<1>();
   };
 
-  for (int first = group.start; first < group.end; first += kRows) {
-    const int rows_now = min(kRows, group.end - first);
+  for (int first = group.start; first < group.end; first += pass_rows) {
+    const int rows_now = min(pass_rows, group.end - first);
     // The ring's first stages - 1 K blocks in flight while the rows are staged.
     for (int s = 0; s < stages - 1; ++s) {
       if (s < total) issue(s, s);
@@ -499,10 +576,10 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
         const int64_t kb = block_begin + i;
 #pragma unroll
         for (int sl = 0; sl < kSlices; ++sl) {
-          const uint8_t* x = staged + (sl * 8 + g) * stride + kb * kFp8Block + t * 16;
+          const uint8_t* x = staged + min(sl * 8 + g, pass_rows - 1) * stride + kb * kFp8Block + t * 16;
           const uint4 b[2] = {*reinterpret_cast<const uint4*>(x), *reinterpret_cast<const uint4*>(x + 64)};
-          const float xs0 = row_scale[(sl * 8 + 2 * t) * blocks_k + kb];
-          const float xs1 = row_scale[(sl * 8 + 2 * t + 1) * blocks_k + kb];
+          const float xs0 = row_scale[min(sl * 8 + 2 * t, pass_rows - 1) * blocks_k + kb];
+          const float xs1 = row_scale[min(sl * 8 + 2 * t + 1, pass_rows - 1) * blocks_k + kb];
 #pragma unroll
           for (int q = 0; q < kTiles; ++q) {
             const uint8_t* tile_bytes = slot + q * kFp8TileBytes;
@@ -571,19 +648,19 @@ int Fp8UnitsPerBlock(int64_t blocks_k) {
 // 1,024 blocks of 229 KB at one block an SM, ncu: 39 % of DRAM bandwidth). The slots bound the
 // experts owning rows from above. Rounded down to one wave: a second wave of a few long blocks
 // doubled the time (DeepSeek-V3 at T = 2, 144 blocks of 15 runs for 132 SMs: 319 us a call). With
-// more slots than the SMs hold, four blocks a slot: waves enough for a short tail.
-int Fp8RunsPerBlock(int64_t runs, int64_t slots, int64_t block_smem) {
-  const int64_t per_sm = block_smem + 1024 <= kSmemBytes / 2 ? 2 : 1;  // __launch_bounds__(kThreads, 2)
+// more slots than the SMs hold, four blocks a slot: waves enough for a short tail. per_sm: the
+// blocks an SM holds (the occupancy calculator's, from the launch's shared memory).
+int Fp8RunsPerBlock(int64_t runs, int64_t slots, int per_sm) {
   const int sms = GemmSmCount();
-  const int64_t capacity = (sms > 0 ? sms : kWaveBlocks) * per_sm;
+  const int64_t capacity = (sms > 0 ? sms : kWaveBlocks) * std::max(per_sm, 1);
   const int64_t blocks_x = slots <= capacity ? capacity / slots : 4;
   return static_cast<int>(std::max<int64_t>(1, (runs + blocks_x - 1) / blocks_x));
 }
 
-// Dynamic shared memory of a launch with `stages` slots a warp.
-template <bool kGated, int kSlices>
-int64_t Fp8DecodeSmem(int64_t k, int stages) {
-  return Fp8StagingBytes(8 * kSlices, k) + kWarps * stages * Fp8SlotBytes(kGated ? 2 : 1);
+// Dynamic shared memory of a launch staging pass_rows rows, with `stages` slots a warp.
+template <bool kGated>
+int64_t Fp8DecodeSmem(int64_t k, int pass_rows, int stages) {
+  return Fp8StagingBytes(pass_rows, k) + kWarps * stages * Fp8SlotBytes(kGated ? 2 : 1);
 }
 // The deepest ring (up to the cap, at least 2) that fits beside the staged rows, or 0. The cap is
 // kFp8DefaultStages, or JAX_MOE_FP8_DECODE_STAGES (2 to 4: a knob for measuring the ring), read once.
@@ -597,49 +674,68 @@ int Fp8StagesCap() {
 }
 
 template <bool kGated, int kSlices>
-int Fp8Stages(int64_t k) {
+int Fp8Stages(int64_t k, int pass_rows) {
   for (int stages = Fp8StagesCap(); stages >= 2; --stages)
-    if (Fp8DecodeSmem<kGated, kSlices>(k, stages) + sizeof(Fp8Partial<kGated, kSlices>) + 1024 <= kSmemBytes)
+    if (Fp8DecodeSmem<kGated>(k, pass_rows, stages) + sizeof(Fp8Partial<kGated, kSlices>) + 1024 <= kSmemBytes)
       return stages;
   return 0;
 }
 
+// pass_rows: rows staged per pass, 1 to 8 * kSlices.
 template <bool kGated, int kSlices>
-cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, cudaStream_t stream) {
-  args.stages = Fp8Stages<kGated, kSlices>(args.k);
+cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, int pass_rows, cudaStream_t stream) {
+  args.pass_rows = pass_rows;
+  args.stages = Fp8Stages<kGated, kSlices>(args.k, pass_rows);
   if (args.stages == 0) return cudaErrorInvalidValue;
-  const size_t smem = static_cast<size_t>(Fp8DecodeSmem<kGated, kSlices>(args.k, args.stages));
+  const size_t smem = static_cast<size_t>(Fp8DecodeSmem<kGated>(args.k, pass_rows, args.stages));
   auto kernel = Fp8DecodeKernel<kGated, kSlices>;
   // Past 48 KB of shared memory, static `partial` included, the dynamic part needs the opt-in.
-  const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  static_cast<int>(smem));
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem));
+  if (status != cudaSuccess) return status;
+  int per_sm = 1;
+  status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
   if (status != cudaSuccess) return status;
   const int64_t tiles = (kGated ? args.n / 2 : args.n) / kFp8TileRows;
   const int64_t slots = std::min(args.num_groups, args.out_rows);
   const int64_t runs = (tiles + args.units_per_block - 1) / args.units_per_block;
-  args.runs_per_block = Fp8RunsPerBlock(runs, slots, smem + sizeof(Fp8Partial<kGated, kSlices>));
+  args.runs_per_block = Fp8RunsPerBlock(runs, slots, per_sm);
   const dim3 grid(static_cast<unsigned>((runs + args.runs_per_block - 1) / args.runs_per_block),
                   static_cast<unsigned>(slots));
   kernel<<<grid, kThreads, smem, stream>>>(args);
   return cudaGetLastError();
 }
 
-// 16 rows a pass where their staging and a ring fit (at 2 slots: K up to 8,960 for gate/up, 11,392
-// for down), else 8.
+// 16 rows a pass where asked, an expert can own more than 8, and their staging and a ring fit (at
+// 2 slots: K up to 8,960 for gate/up, 11,392 for down), else 8; no more rows staged than an expert
+// can own (group_rows, when known).
 template <bool kGated>
-cudaError_t LaunchFp8DecodeRows(const Fp8DecodeGemmArgs& args, int rows_per_pass, cudaStream_t stream) {
-  return rows_per_pass == 16 && Fp8Stages<kGated, 2>(args.k) > 0 ? LaunchFp8Decode<kGated, 2>(args, stream)
-                                                                  : LaunchFp8Decode<kGated, 1>(args, stream);
+cudaError_t LaunchFp8DecodeRows(const Fp8DecodeGemmArgs& args, int rows_per_pass, int64_t group_rows,
+                                cudaStream_t stream) {
+  const int64_t bound = group_rows > 0 ? group_rows : rows_per_pass;
+  if (rows_per_pass == 16 && bound > 8 && Fp8Stages<kGated, 2>(args.k, 16) > 0)
+    return LaunchFp8Decode<kGated, 2>(args, 16, stream);
+  return LaunchFp8Decode<kGated, 1>(args, static_cast<int>(std::min<int64_t>(bound, 8)), stream);
 }
 
 }  // namespace
 
 cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream) {
   if (args.k % 8 != 0 || args.n % (args.gated ? 16 : 8) != 0 || args.num_groups < 1 ||
-      args.num_groups > 65535 || args.out_rows < 0 || args.out_rows > (int64_t{1} << 30))
+      args.num_groups > 65534 || args.out_rows < 0 || args.out_rows > (int64_t{1} << 30))
     return cudaErrorInvalidValue;
-  if (args.out_rows == 0) return cudaSuccess;
-  return args.gated ? LaunchGated<true>(args, stream) : LaunchGated<false>(args, stream);
+  if (args.shared_weights != nullptr &&
+      (args.shared_k < 8 || args.shared_k % 8 != 0 || args.shared_n < 8 || args.shared_n % (args.gated ? 16 : 8) != 0 ||
+       args.shared_rows < 1 || args.shared_rows > (int64_t{1} << 30)))
+    return cudaErrorInvalidValue;
+  if (args.out_rows == 0 && args.shared_weights == nullptr) return cudaSuccess;
+  if (args.shared_weights == nullptr || SharedJoinsLaunch(args)) return LaunchOne(args, stream);
+  // Apart: the routed experts' launch, then the shared product's alone (its only slot).
+  DecodeGemmArgs routed = args, shared = args;
+  routed.shared_weights = nullptr;
+  shared.out_rows = 0;
+  const cudaError_t status = args.out_rows > 0 ? LaunchOne(routed, stream) : cudaSuccess;
+  return status != cudaSuccess ? status : LaunchOne(shared, stream);
 }
 
 }  // namespace jax_moe
@@ -660,7 +756,7 @@ cudaError_t LaunchFp8DecodeSwiglu(const Fp8DecodeSwigluArgs& args, cudaStream_t 
   gemm.out = static_cast<Bf16*>(args.activation);
   gemm.out_rows = args.out_rows, gemm.num_groups = args.num_groups, gemm.k = args.hidden, gemm.n = 2 * args.ffn;
   gemm.units_per_block = Fp8UnitsPerBlock(gemm.k / kFp8Block);
-  cudaError_t status = LaunchFp8DecodeRows<true>(gemm, args.rows_per_pass, stream);
+  cudaError_t status = LaunchFp8DecodeRows<true>(gemm, args.rows_per_pass, args.group_rows, stream);
   if (status != cudaSuccess) return status;
   gemm.rows = static_cast<const Bf16*>(args.activation);
   gemm.weights = static_cast<const uint8_t*>(args.down);
@@ -668,7 +764,7 @@ cudaError_t LaunchFp8DecodeSwiglu(const Fp8DecodeSwigluArgs& args, cudaStream_t 
   gemm.out = static_cast<Bf16*>(args.out);
   gemm.k = args.ffn, gemm.n = args.hidden;
   gemm.units_per_block = Fp8UnitsPerBlock(gemm.k / kFp8Block);
-  return LaunchFp8DecodeRows<false>(gemm, args.rows_per_pass, stream);
+  return LaunchFp8DecodeRows<false>(gemm, args.rows_per_pass, args.group_rows, stream);
 }
 
 }  // namespace jax_moe

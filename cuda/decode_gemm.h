@@ -28,6 +28,14 @@ struct DecodeGemmArgs {
   // rows takes several passes (the later ones mostly from L2). The caller picks it from the rows
   // it expects per expert.
   int rows_per_pass;
+  // Optional (shared_weights non-null): a dense product in the same launch, one more slot at the
+  // grid's end: shared_out = shared_x @ shared_weights (gated as above), as if one more expert
+  // owned every row of shared_x. A shared expert at decode then streams its weights beside the
+  // routed experts' instead of in launches of its own, too small to keep the SMs streaming.
+  const void* shared_x = nullptr;        // [shared_rows, shared_k] bf16
+  const void* shared_weights = nullptr;  // [shared_k, shared_n] bf16
+  void* shared_out = nullptr;            // [shared_rows, gated ? shared_n / 2 : shared_n] bf16
+  int64_t shared_rows = 0, shared_k = 0, shared_n = 0;
 };
 
 cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream);
@@ -51,6 +59,7 @@ struct Fp8DecodeSwigluArgs {
   void* out;                      // [out_rows, H] bf16
   int64_t out_rows, num_groups, hidden, ffn;  // H and F multiples of 128, at most kFp8DecodeMaxK
   int rows_per_pass;                          // 8 or 16: rows of an expert per pass over its weights
+  int64_t group_rows;                         // the most rows one expert can own; 0: unknown
 };
 
 constexpr int64_t kFp8DecodeMaxK = 16384;  // the rows of a pass are staged whole in shared memory

@@ -86,8 +86,13 @@ def shared_experts(layer_params: dict, x: jax.Array) -> jax.Array | None:
         out = _shared_swiglu_decode(x, weight("shared_gate_up"), weight("shared_down"))
     else:
         out = _shared_swiglu(x, weight("shared_gate_up"), weight("shared_down"))
+    return _gate_shared(layer_params, x, out)
+
+
+def _gate_shared(layer_params: dict, x, out):
+    """The shared expert's output [T, H] scaled by its sigmoid gate when the params hold one, in x's dtype."""
     if "shared_gate" in layer_params:
-        out = out * jax.nn.sigmoid(dot_f32(x, weight("shared_gate")))
+        out = out * jax.nn.sigmoid(dot_f32(x, layer_params["shared_gate"].astype(x.dtype)))
     return out.astype(x.dtype)
 
 
@@ -101,7 +106,7 @@ def _shared_swiglu_fp8(x, layer_params):
     on_gemm = (jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16
                and gemm.supports_fp8(hidden, layer_params["shared_down"].shape[-1]))
     if on_gemm:
-        return _fp8_experts(x, *weights, offsets, num_tokens, gemm.fp8_workspace(1))[0]
+        return _fp8_experts(x, *weights, offsets, num_tokens, num_tokens, gemm.fp8_workspace(1))[0]
     return gemm.fp8_swiglu_dequantized(x, *weights, offsets, num_tokens)
 
 
@@ -146,6 +151,63 @@ def _shared_swiglu_decode_bwd(residuals, d_out):
 
 
 _shared_swiglu_decode.defvjp(_shared_swiglu_decode_fwd, _shared_swiglu_decode_bwd)
+
+
+# Whether a shared expert at decode streams in the routed experts' launches (the bench's
+# decode suite switches it off to measure the launches apart in the same run).
+SHARED_IN_DECODE_LAUNCH = True
+
+
+def shared_rides_decode(layer_params: dict, x, tile: int) -> bool:
+    """Whether the shared expert runs in the routed experts' decode launches
+    (``swiglu_decode_with_shared``): the routed experts take ``gemm.DECODE_TILE`` and a bf16 shared
+    expert the decode kernel (``_shared_on_decode_kernel``: a GPU, at most
+    ``gemm.DECODE_MAX_GROUP_ROWS`` tokens)."""
+    return (SHARED_IN_DECODE_LAUNCH and "shared_gate_up" in layer_params and tile == gemm.DECODE_TILE
+            and not fp8.is_quantized(layer_params)
+            and not fp8.shared_is_quantized(layer_params)
+            and _shared_on_decode_kernel(x, layer_params["shared_down"].shape[-2]))
+
+
+def swiglu_decode_with_shared(rows, gate_up, down, offsets, workspace, num_rows: int, group_rows: int | None,
+                              layer_params: dict, x):
+    """The routed experts' SwiGLU on the decode kernel with the shared expert's in the same two
+    launches (``gemm.decode_forward_with_shared``): ``(rows_out [num_rows, H], shared [T, H],
+    workspace)``, shared gated as ``shared_experts``'s. The routed experts' math is
+    ``_swiglu_grouped``'s at ``gemm.DECODE_TILE``, the shared expert's ``_shared_swiglu_decode``'s
+    (its sums split over other blocks: float32 roundings may differ). Differentiable as those two."""
+    shared_gate_up, shared_down = (layer_params[name].astype(x.dtype) for name in ("shared_gate_up", "shared_down"))
+    out, shared, workspace = _swiglu_with_shared(rows, gate_up, down, offsets, workspace, num_rows, group_rows,
+                                                 x, shared_gate_up, shared_down)
+    return out, _gate_shared(layer_params, x, shared), workspace
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _swiglu_with_shared(rows, gate_up, down, offsets, workspace, num_rows, group_rows, x, shared_gate_up,
+                        shared_down):
+    activated, shared_activated = gemm.decode_forward_with_shared(rows, gate_up, offsets, num_rows, x,
+                                                                  shared_gate_up, gated=True, group_rows=group_rows)
+    out, shared = gemm.decode_forward_with_shared(activated, down, offsets, num_rows, shared_activated, shared_down,
+                                                  gated=False, group_rows=group_rows)
+    return out, shared, workspace
+
+
+def _swiglu_with_shared_fwd(rows, gate_up, down, offsets, workspace, num_rows, group_rows, x, shared_gate_up,
+                            shared_down):
+    (out, workspace), routed = _swiglu_grouped_fwd(rows, gate_up, down, offsets, workspace, num_rows,
+                                                   gemm.DECODE_TILE, group_rows)
+    shared, dense = _shared_swiglu_decode_fwd(x, shared_gate_up, shared_down)
+    return (out, shared, workspace), (routed, dense)
+
+
+def _swiglu_with_shared_bwd(num_rows, group_rows, residuals, cotangents):
+    routed, dense = residuals
+    d_out, d_shared, d_workspace = cotangents
+    d_routed = _swiglu_grouped_bwd(num_rows, gemm.DECODE_TILE, group_rows, routed, (d_out, d_workspace))
+    return (*d_routed, *_shared_swiglu_decode_bwd(dense, d_shared))
+
+
+_swiglu_with_shared.defvjp(_swiglu_with_shared_fwd, _swiglu_with_shared_bwd)
 
 
 def swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows: int, tile: int,
@@ -282,21 +344,22 @@ def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, num_tokens: 
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _fp8_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, workspace):
-    """Both projections on the FP8 grouped GEMM, one call (``gemm.fp8_swiglu_forward``):
-    ``([num_rows, H], workspace)``. Differentiable in rows."""
-    return gemm.fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _fp8_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, group_rows, workspace):
+    """Both projections on the FP8 grouped GEMM, one call (``gemm.fp8_swiglu_forward``; group_rows
+    its): ``([num_rows, H], workspace)``. Differentiable in rows."""
+    return gemm.fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows,
+                                   group_rows=group_rows)
 
 
-def _fp8_experts_fwd(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, workspace):
-    out = _fp8_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, workspace)
+def _fp8_experts_fwd(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, group_rows, workspace):
+    out = _fp8_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, group_rows, workspace)
     # The live rows only, and a zero-width array carrying the scratch's row count (as _swiglu_grouped).
     return out, (rows[:num_rows], gate_up, gate_up_scale, down, down_scale, offsets,
                  jnp.zeros((rows.shape[0], 0), rows.dtype))
 
 
-def _fp8_experts_bwd(num_rows, residuals, cotangents):
+def _fp8_experts_bwd(num_rows, group_rows, residuals, cotangents):
     # The rows' gradient with the rows' quantisation as the identity (as fp8_dequantized_matmul's):
     # through the dequantised weights on the bf16 grouped GEMMs (the weight gradients it also forms
     # are dead code). FP8 weights and scales are inference-only; the workspace has no gradient.
@@ -322,8 +385,27 @@ def swiglu_experts_fp8(layer_params: dict, scratch: MoEScratch, num_tokens: int)
     config = scratch.config
     num_rows = config.live_row_bound(num_tokens)
     weights = _fp8_leaves(layer_params, fp8.QUANTIZED_NAMES)
-    out, workspace = _fp8_experts(scratch.permuted, *weights, scratch.expert_offsets, num_rows, scratch.workspace)
+    out, workspace = _fp8_experts(scratch.permuted, *weights, scratch.expert_offsets, num_rows,
+                                  config.group_row_bound(num_tokens), scratch.workspace)
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
+
+
+def run_experts_and_shared(expert_fn: ExpertFn | None, layer_params: dict, scratch: MoEScratch, tokens: jax.Array):
+    """``run_experts`` and ``shared_experts(layer_params, tokens)`` for tokens [T, H]: ``(rows_out,
+    shared [T, H] or None, scratch)``. The shared expert streams in the routed experts' decode
+    launches where ``shared_rides_decode`` says so (DeepSeek-V3 and Qwen3.5 at T <= 2)."""
+    config, num_tokens = scratch.config, tokens.shape[0]
+    if (expert_fn is None and "shared_gate_up" in layer_params and uses_grouped_matmul(layer_params, config)
+            and not fp8.is_quantized(layer_params)):
+        num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
+        if shared_rides_decode(layer_params, tokens, gemm.pick_tile(num_rows, config.num_local_experts, group_rows)):
+            gate_up, down = fp8.expert_weights(layer_params, config.dtype)
+            out, shared, workspace = swiglu_decode_with_shared(scratch.permuted, gate_up, down, scratch.expert_offsets,
+                                                               scratch.workspace, num_rows, group_rows, layer_params,
+                                                               tokens)
+            return out, shared, scratch.replace(workspace=lax.stop_gradient(workspace))
+    rows_out, scratch = run_experts(expert_fn, layer_params, scratch, num_tokens)
+    return rows_out, shared_experts(layer_params, tokens), scratch
 
 
 def uses_grouped_matmul(layer_params: dict, config) -> bool:

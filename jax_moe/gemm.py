@@ -288,6 +288,40 @@ def gated_forward(rows, gate_up, offsets, workspace, num_rows: int, tile: int, g
     return activated, workspace
 
 
+def decode_forward_with_shared(rows, weights, offsets, num_rows: int, x, shared_weights, gated: bool,
+                               group_rows: int | None = None):
+    """The decode kernel's grouped product and a dense one in the same launch: ``(out, shared_out)``.
+
+    out: ``forward`` (``gated_forward`` when gated) with ``DECODE_TILE``: [num_rows, N] (gated:
+    [num_rows, N / 2]) from rows [R, K] and weights [El, K, N]. shared_out: the same for x [T, Ks]
+    and shared_weights [Ks, Ns], as one more expert owning every row of x: [T, Ns] (gated: [T,
+    Ns / 2]). For a shared expert at decode (T of a few tokens), whose own launches are too small to
+    keep every SM streaming weights: here its weights stream beside the routed experts'. bf16;
+    XLA's products (the same roundings) off CUDA. No autodiff rule.
+    """
+    num_tokens = x.shape[0]
+    out_shape = (num_rows, weights.shape[2] // 2 if gated else weights.shape[2])
+    shared_shape = (num_tokens, shared_weights.shape[1] // 2 if gated else shared_weights.shape[1])
+
+    def finish(product, dtype):
+        return gated_silu(product.astype(dtype), dtype) if gated else product.astype(dtype)
+
+    def fallback(r, w, o, t, sw):
+        return (finish(_ragged_dot(r[:num_rows], w, o), r.dtype),
+                finish(jnp.dot(t, sw, preferred_element_type=jnp.float32), t.dtype))
+
+    def native(r, w, o, t, sw):
+        call = jax.ffi.ffi_call(_native.DECODE_MATMUL_SHARED_TARGET,
+                                (jax.ShapeDtypeStruct(out_shape, r.dtype), jax.ShapeDtypeStruct(shared_shape, t.dtype)),
+                                vmap_method="sequential")
+        # Passes enough for the shared product's T rows as well as the routed experts' groups.
+        rows_per_pass = max(decode_rows_per_pass(num_rows, w.shape[0], group_rows),
+                            decode_rows_per_pass(num_tokens, 1, num_tokens))
+        return fence_results(call(r, w, o, t, sw, gated=gated, rows_per_pass=np.int64(rows_per_pass)))
+
+    return _on_cuda(native, fallback, rows, weights, offsets, x, shared_weights)
+
+
 def input_grad(d_out, weights, offsets, workspace, num_rows: int, tile: int):
     """``d_rows [num_rows, K]`` = each group's d_out [R, N] @ weights[g]^T; zero rows in no group.
 
@@ -504,17 +538,17 @@ def fp8_dequantized_matmul(rows, weights_nk, scale_nk, offsets, num_rows: int):
 
 # The FP8 decode kernel (cuda/decode_gemm.h, LaunchFp8DecodeSwiglu): both projections in two
 # launches (the rows quantised in each block, SwiGLU in the gate/up epilogue), no quantisation,
-# setup or activation kernels between, no workspace. It streams large reads no faster than
-# CUTLASS's FP8 GEMM (DeepSeek-V3's experts at T = 1, 352 MB: 125 vs 119 us; at T = 2, 232 vs 194)
-# but starts faster, so it is taken for small reads: owning experts expecting at most
-# FP8_DECODE_MAX_ROWS_PER_EXPERT rows and, together, at most FP8_DECODE_MAX_BYTES of weights
-# (measured on the H200, kernel times per call: DeepSeek-V3's shared expert at T = 1, 44 MB, 25 vs
-# 44 us, and at T = 4, 32 vs 44; Qwen3-30B's experts at T = 1, 38 MB, 22 vs 33 us; Qwen3.5-397B's
-# at T = 1, 126 MB, 51 vs 64 us; Qwen3-30B's at T = 16, 382 MB, 124 vs 123 us; the shared expert at
-# T = 16, 75 vs 44 us; Mixtral's two experts at T = 1, 352 MB, 122 vs 130, left on CUTLASS with
-# DeepSeek-V3's: notebooks/results/fp8_decode_runs_h200.md, python -m jax_moe.bench.fp8_decode_probe).
+# setup or activation kernels between, no workspace. It starts faster than CUTLASS's FP8 path and,
+# staging only the rows an expert can own (group_rows), streams as fast up to about 350 MB, so it
+# is taken while the owning experts expect at most FP8_DECODE_MAX_ROWS_PER_EXPERT rows and together
+# read at most FP8_DECODE_MAX_BYTES of weights (Qwen3-30B at T = 16, a tie, stays on CUTLASS). Measured on the H200, kernel times per
+# call, decode kernel vs CUTLASS: DeepSeek-V3's experts at T = 1, 352 MB, 111 vs 119 us, and at T =
+# 2, 680 MB, 205 vs 195; Mixtral's two at T = 1, 352 MB, 111 vs 130; Qwen3.5-397B's at T = 1, 126
+# MB, 50 vs 65; Qwen3-30B's at T = 1, 22 vs 33, and at T = 16, 382 MB, 124 vs 123; DeepSeek-V3's
+# shared expert at T = 1, 44 MB, 24 vs 44, at T = 4, 32 vs 44, at T = 16, 75 vs 44
+# (notebooks/results/fp8_decode_staged_rows_h200.md, python -m jax_moe.bench.fp8_decode_probe).
 FP8_DECODE_MAX_ROWS_PER_EXPERT = 4.0
-FP8_DECODE_MAX_BYTES = 128e6
+FP8_DECODE_MAX_BYTES = 360e6
 FP8_DECODE_MAX_K = 16384
 FP8_DECODE_ROWS_PER_PASS = (8, 16)
 
@@ -533,16 +567,17 @@ def fp8_decode_rows(num_rows: int, num_groups: int, hidden_size: int, ffn_size: 
 
 
 def _fp8_decode_swiglu_call(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows: int,
-                            rows_per_pass: int):
+                            rows_per_pass: int, group_rows: int | None = None):
     """The FP8 decode kernel's call: ``(out [num_rows, H], activation [num_rows, F])``, the second a
-    temporary (SwiGLU's activation in bf16, before the down product quantises it; tests read it)."""
+    temporary (SwiGLU's activation in bf16, before the down product quantises it; tests read it).
+    group_rows: ``fp8_swiglu_forward``'s."""
     hidden_size, f = rows.shape[1], down.shape[2]
     call = jax.ffi.ffi_call(_native.FP8_DECODE_SWIGLU_TARGET,
                             (jax.ShapeDtypeStruct((num_rows, hidden_size), rows.dtype),
                              jax.ShapeDtypeStruct((num_rows, f), rows.dtype)),
                             vmap_method="sequential")
     return fence_results(call(rows, gate_up, gate_up_scale, down, down_scale, offsets,
-                              rows_per_pass=np.int64(rows_per_pass)))
+                              rows_per_pass=np.int64(rows_per_pass), group_rows=np.int64(group_rows or 0)))
 
 
 def _fp8_swiglu_experts_call(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows: int,
@@ -570,7 +605,7 @@ def fp8_swiglu_dequantized(rows, gate_up, gate_up_scale, down, down_scale, offse
 
 
 def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows: int,
-                       tile_rows: int | None = None, decode_rows: int | None = None):
+                       tile_rows: int | None = None, decode_rows: int | None = None, group_rows: int | None = None):
     """FP8 SwiGLU experts in one CUDA call: ``fp8_forward`` with ``gate_up`` [El, 2F, H], SwiGLU's
     activation (float32, rounded to the rows' dtype) quantised per 1 x 128 group, then
     ``fp8_forward`` with ``down`` [El, H, F]. The same math as those three steps
@@ -583,7 +618,9 @@ def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, 
     CUTLASS GEMMs (tile_rows their row tile), 8 or 16 for the decode kernel with that many rows of
     an expert per pass over its weights (16 runs as 8 where 16 staged rows do not fit in shared
     memory: gate/up past H of about 9,000, down past F of about 11,000), None for
-    ``fp8_decode_rows``' pick.
+    ``fp8_decode_rows``' pick. group_rows: the most rows one expert can own, when known
+    (``MoEConfig.group_row_bound``): the decode kernel stages no more rows than that per pass (T = 1:
+    one row, and blocks small enough for two an SM); any value is correct, a smaller one slower.
     Returns ``([num_rows, H], workspace)``.
     """
     op = "fp8_swiglu_forward"
@@ -608,13 +645,15 @@ def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, 
     elif decode_rows and max(hidden_size, two_f // 2) > FP8_DECODE_MAX_K:
         raise ValueError(f"{op}: decode_rows: the decode kernel takes H and F up to {FP8_DECODE_MAX_K}, "
                          f"got H={hidden_size}, F={two_f // 2}")
+    if group_rows is not None and (not isinstance(group_rows, int) or group_rows < 1):
+        raise ValueError(f"{op}: group_rows: expected a positive int or None, got {group_rows!r}")
 
     def fallback(r, gu, gus, d, ds, o, ws):
         return fp8_swiglu_dequantized(r, gu, gus, d, ds, o, num_rows), ws
 
     def native(*operands):
         if decode_rows:
-            return _fp8_decode_swiglu_call(*operands[:6], num_rows, decode_rows)[0], operands[6]
+            return _fp8_decode_swiglu_call(*operands[:6], num_rows, decode_rows, group_rows)[0], operands[6]
         return _fp8_swiglu_experts_call(*operands, num_rows, tile_rows)[:2]
 
     operands = (rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace)

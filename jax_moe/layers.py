@@ -15,7 +15,7 @@ from jax import lax
 
 from jax_moe import _validate, fp8, ops, routing, stack
 from jax_moe.config import MoEConfig
-from jax_moe.experts import (SHARED_NAMES, ExpertFn, run_experts, shared_experts,  # noqa: F401
+from jax_moe.experts import (SHARED_NAMES, ExpertFn, run_experts_and_shared, shared_experts,  # noqa: F401
                              swiglu_experts, uses_grouped_matmul)
 from jax_moe.ops import permute, unpermute
 from jax_moe.routing import route, router_logits, router_scores  # noqa: F401 (public here too, as before)
@@ -221,9 +221,8 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
         logits = routing.router_logits(router, tokens)
         weights, ids = routing.route_logits(logits, config, bias)
     scratch = permute(tokens, ids, scratch)
-    rows_out, scratch = run_experts(expert_fn, layer_params, scratch, tokens.shape[0])
+    rows_out, shared, scratch = run_experts_and_shared(expert_fn, layer_params, scratch, tokens)
     y = unpermute(rows_out, weights, scratch)
-    shared = shared_experts(layer_params, tokens)
     if shared is not None:
         y = y + shared
     y = jnp.reshape(y, jnp.shape(x))

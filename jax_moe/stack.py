@@ -33,7 +33,8 @@ from jax import lax
 
 from jax_moe import gemm, ops, routing
 from jax_moe.config import MoEConfig
-from jax_moe.experts import shared_experts, swiglu_grouped_forward, swiglu_grouped_grad_but_gate_up
+from jax_moe.experts import (shared_experts, shared_rides_decode, swiglu_decode_with_shared, swiglu_grouped_forward,
+                             swiglu_grouped_grad_but_gate_up)
 from jax_moe.scratch import MoEScratch
 
 EXPERT_WEIGHTS = ("gate_up", "down")
@@ -45,17 +46,17 @@ def rms_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
-def _dense(small: dict, h: jax.Array, config: MoEConfig):
+def _dense(small: dict, h: jax.Array, config: MoEConfig, with_shared: bool = True):
     """A layer's dense part from its input h [T, H]: ``((n, weights, logits, shared), ids)``.
 
     n = rms_norm(h) [T, H]; the router's logits [T, E] float32, weights [T, k] float32 and ids
-    [T, k] int32; the shared expert's output [T, H] (None without one). ``small``: the layer's
-    params other than the expert weights.
+    [T, k] int32; the shared expert's output [T, H] (None without one, or without with_shared).
+    ``small``: the layer's params other than the expert weights.
     """
     n = rms_norm(h)
     logits = routing.router_logits(small["router"], n)
     weights, ids = routing.route_logits(logits, config, small.get("router_bias"))
-    return (n, weights, logits, shared_experts(small, n)), ids
+    return (n, weights, logits, shared_experts(small, n) if with_shared else None), ids
 
 
 def _split(layer_params: dict) -> tuple[dict, jax.Array, jax.Array]:
@@ -115,23 +116,31 @@ def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: 
     config = scratch.config
     num_tokens = h.shape[0]
     small, gate_up, down = _split(layer_params)
+    num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
+    tile = gemm.pick_tile(num_rows, config.num_local_experts, group_rows)
+    # Inference at decode: the shared expert streams in the routed experts' launches.
+    fuse_shared = not keep and shared_rides_decode(small, h, tile)
     route_kernel = (num_tokens <= ops.DECODE_ROUTE_TOKENS
                     and ops.decode_route_fits(config, num_tokens, small["router"].dtype))
     if keep or not route_kernel:
-        (n, weights, logits, shared), ids = _dense(small, h, config)
+        (n, weights, logits, shared), ids = _dense(small, h, config, with_shared=not fuse_shared)
     else:
         # Inference at T <= ops.DECODE_ROUTE_TOKENS: the router in one kernel. (A training forward
         # routes in XLA: its backward recomputes that routing, and must find the same ids.)
         n = rms_norm(h)
         weights, ids, logits, scratch = ops.route_decode(small["router"], n, scratch, small.get("router_bias"))
-        shared = shared_experts(small, n)
+        shared = None if fuse_shared else shared_experts(small, n)
     scratch = ops.permute(n, ids, scratch)
-    num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
-    tile = gemm.pick_tile(num_rows, config.num_local_experts, group_rows)
     offsets = scratch.expert_offsets
-    out_rows, workspace, hidden = swiglu_grouped_forward(
-        scratch.permuted, gate_up.astype(config.dtype), down.astype(config.dtype), offsets, scratch.workspace,
-        num_rows, tile, keep_hidden=keep, group_rows=group_rows, hidden_into=hidden_into)
+    gate_up, down = gate_up.astype(config.dtype), down.astype(config.dtype)
+    if fuse_shared:
+        out_rows, shared, workspace = swiglu_decode_with_shared(scratch.permuted, gate_up, down, offsets,
+                                                                scratch.workspace, num_rows, group_rows, small, n)
+        hidden = None
+    else:
+        out_rows, workspace, hidden = swiglu_grouped_forward(
+            scratch.permuted, gate_up, down, offsets, scratch.workspace,
+            num_rows, tile, keep_hidden=keep, group_rows=group_rows, hidden_into=hidden_into)
     y = ops.unpermute(out_rows, weights, scratch)
     if shared is not None:
         y = y + shared

@@ -155,6 +155,33 @@ runs_out, _ = jax.jit(lambda r, q, s, d, ds, o, ws: jax_moe.gemm.fp8_swiglu_forw
 print("fp8 decode runs: finite", bool(np.isfinite(np.asarray(runs_out, np.float32)).all()),
       "rows past live zero", not np.asarray(runs_out[8:], np.float32).any())
 
+# The same FP8 decode case staging one row a pass (group_rows 1: the products' other columns reread it)
+# and 3 rows a pass for 8 rows an expert (three passes).
+for group_rows in (1, 3):
+    staged_out, _ = jax.jit(lambda r, q, s, d, ds, o, ws: jax_moe.gemm.fp8_swiglu_forward(
+        r, q, s, d, ds, o, ws, config.capacity, decode_rows=8, group_rows=group_rows))(
+        scratch.permuted, gate_up_q, gate_up_s, down_q, down_s, scratch.expert_offsets, scratch.workspace)
+    print("fp8 decode staged", group_rows, "equal to 8 staged", bool((np.asarray(staged_out, np.float32)
+                                                                     == np.asarray(runs_out, np.float32)).all()))
+
+# A shared product in the routed experts' decode launch: wider than the routed one (the grid spans
+# it), K split differently (down: Ks 3 K-steps apart from K), two rows, rows past the live count.
+config = jax_moe.MoEConfig(num_experts=16, top_k=2, hidden_size=264, max_tokens=2, align=2)
+rng = np.random.default_rng(7)
+x = rng.standard_normal((2, 264)).astype(jax.numpy.bfloat16)
+scratch = jax.jit(jax_moe.permute)(x, np.array([[0, 3], [3, -1]], np.int32), jax_moe.init_scratch(config))
+for gated, (k, n, shared_k, shared_n) in ((True, (264, 192, 264, 512)), (False, (96, 264, 120, 264))):
+    w = (rng.standard_normal((16, k, n)) / 16).astype(jax.numpy.bfloat16)
+    sw = (rng.standard_normal((shared_k, shared_n)) / 16).astype(jax.numpy.bfloat16)
+    rows = scratch.permuted[:, :k]
+    out, shared_out = jax.jit(lambda r, w, o, t, sw: jax_moe.gemm.decode_forward_with_shared(
+        r, w, o, config.capacity, t, sw, gated=gated, group_rows=2))(
+        rows, w, scratch.expert_offsets, x[:, :shared_k], sw)
+    live = int(scratch.expert_offsets[-1])
+    print("decode shared gated", gated, "finite", bool(np.isfinite(np.asarray(out, np.float32)).all()
+          and np.isfinite(np.asarray(shared_out, np.float32)).all()),
+          "rows past live zero", not np.asarray(out[live:], np.float32).any())
+
 # The decode router: one token and two token groups (T = 12), softmax and DeepSeek-V3's groups
 # with a bias, E from 8 to 512 (a partial expert tile at E = 8).
 for num_tokens, experts, hidden_size, extra in ((1, 128, 2048, {}), (12, 256, 7168, dict(

@@ -219,6 +219,19 @@ def test_decode_suite_cutlass_variant_switches_off_every_decode_pick():
     assert gemm.pick_tile(*picks[-1]) == gemm.DECODE_TILE  # restored
 
 
+def test_decode_suite_shared_apart_variant_switches_off_the_shared_launch(monkeypatch):
+    """`jax_moe/shared-apart` must run the shared expert in launches of its own where the shipped
+    path puts it in the routed experts' decode launches (a GPU's pick, forced here)."""
+    from jax_moe import experts, gemm
+    monkeypatch.setattr(experts, "_shared_on_decode_kernel", lambda x, ffn: True)
+    layer = {"gate_up": None, "down": None, "shared_gate_up": None, "shared_down": jnp.zeros((8, 4))}
+    assert experts.shared_rides_decode(layer, jnp.zeros((1, 4)), gemm.DECODE_TILE)
+    assert not experts.shared_rides_decode(layer, jnp.zeros((1, 4)), gemm.SMALL_M_TILE)
+    with decode_suite.shared_in_decode_launch(False):
+        assert not experts.shared_rides_decode(layer, jnp.zeros((1, 4)), gemm.DECODE_TILE)
+    assert experts.shared_rides_decode(layer, jnp.zeros((1, 4)), gemm.DECODE_TILE)  # restored
+
+
 def test_decode_suite_times_fp8_experts_against_their_own_roofline():
     model = dataclasses.replace(TINY, name="tiny128", label="tiny 128", hidden_size=128, ffn_size=128)
     rows, _ = decode_suite.run([model], (2,), timing.Clock(), 1, with_peer=False)
@@ -316,4 +329,7 @@ def test_fp8_decode_probe_reports_both_paths_per_case(tmp_path, monkeypatch):
     assert row["experts"] == 4 and row["rows"] == 16 and row["pick"] in (0, 8)
     for path in ("cutlass", "decode8", "decode16"):  # 4 rows an expert: 16 rows a pass measured too
         assert isinstance(row[path], list), row[path]
+    assert row["group_rows"] == 8 and "decode8_bound" not in row  # (8 rows staged either way)
+    out = fp8_decode_probe.main(["--out", str(tmp_path / "probe.json"), "--cases", "tiny128:2", "--experts", "4"])
+    assert isinstance(out["tiny128 T2"]["decode8_bound"], list)  # 2 rows staged a pass
     assert json.loads((tmp_path / "probe.json").read_text()) == out

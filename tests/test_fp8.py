@@ -467,18 +467,20 @@ def test_gpu_fp8_forward_reads_every_e4m3_value():
     assert np.unique(bits[:, picked], axis=None).size == 254  # every finite pattern was read
 
 
-def _check_fp8_decode(scratch, num_local, hidden, ffn, num_rows=None, rows_per_pass=8, seed=7):
+def _check_fp8_decode(scratch, num_local, hidden, ffn, num_rows=None, rows_per_pass=8, seed=7, group_rows=None):
     """The FP8 decode kernel (both projections, SwiGLU in the gate/up epilogue) against float64
     products of its own quantised inputs: the activation against silu(gate) * up of the exact
     gate/up product (each rounded to bf16 as the kernel does: a bf16 ulp or two apart where the
     float32 sums round the other way), the output against the exact product of the quantised
-    activation within the FP8 GEMM's bound; rows past the groups zero; and the CUTLASS path in norm."""
+    activation within the FP8 GEMM's bound; rows past the groups zero; and the CUTLASS path in norm.
+    group_rows: the rows staged per pass (a bound an expert may exceed: it then takes more passes)."""
     num_rows = num_rows or scratch.permuted.shape[0]
     keys = jax.random.split(jax.random.key(seed))
     gu = jax.jit(fp8.quantize)(jax.random.normal(keys[0], (num_local, 2 * ffn, hidden)) / np.sqrt(hidden))
     dn = jax.jit(fp8.quantize)(jax.random.normal(keys[1], (num_local, hidden, ffn)) / np.sqrt(ffn))
     rows, offsets = scratch.permuted, scratch.expert_offsets
-    out, act = jax.jit(lambda *a: gemm._fp8_decode_swiglu_call(*a, num_rows, rows_per_pass))(rows, *gu, *dn, offsets)
+    out, act = jax.jit(lambda *a: gemm._fp8_decode_swiglu_call(*a, num_rows, rows_per_pass, group_rows))(
+        rows, *gu, *dn, offsets)
     cpu = jax.devices("cpu")[0]
     q_rows, row_scale = jax.jit(fp8.quantize_rows)(jax.device_put(rows[:num_rows], cpu))
     hidden_rows, _ = _fp8_reference(q_rows, row_scale, *gu, offsets)
@@ -512,7 +514,8 @@ def test_gpu_fp8_decode_kernel_model_shapes(name, num_tokens, rows_per_pass):
     config = MoEConfig(num_experts=m.num_experts, top_k=m.top_k, hidden_size=m.hidden_size, max_tokens=num_tokens,
                        dtype=BF16)
     scratch = routed_scratch(config, num_tokens)
-    _check_fp8_decode(scratch, m.num_experts, m.hidden_size, m.ffn_size, rows_per_pass=rows_per_pass)
+    _check_fp8_decode(scratch, m.num_experts, m.hidden_size, m.ffn_size, rows_per_pass=rows_per_pass,
+                      group_rows=config.group_row_bound(num_tokens))
 
 
 @pytest.mark.gpu
@@ -520,11 +523,13 @@ def test_gpu_fp8_decode_kernel_model_shapes(name, num_tokens, rows_per_pass):
 @pytest.mark.parametrize("case", list(GROUPED_GEMM_EDGE_CASES))
 def test_gpu_fp8_decode_kernel_edge_cases(case, rows_per_pass):
     """Empty experts, one expert with all 300 rows (many passes over its weights), dropped routes,
-    align 8, an expert map, rows past the live count; K of 2 and 3 scale blocks (H 256, F 384)."""
+    align 8, an expert map, rows past the live count; K of 2 and 3 scale blocks (H 256, F 384); 3
+    rows staged a pass where experts own more (a group_rows bound too small is slower, not wrong)."""
     kwargs, num_tokens, ids = grouped_gemm_edge_case(case)
     config = MoEConfig(dtype=BF16, **kwargs)
     scratch = routed_scratch(config, num_tokens, ids)
     _check_fp8_decode(scratch, config.num_local_experts, 256, 384, rows_per_pass=rows_per_pass)
+    _check_fp8_decode(scratch, config.num_local_experts, 256, 384, rows_per_pass=rows_per_pass, group_rows=3)
     _check_fp8_decode(scratch, config.num_local_experts, 256, 384, num_rows=config.live_row_bound(num_tokens),
                       rows_per_pass=rows_per_pass)
 
@@ -535,7 +540,7 @@ def test_gpu_fp8_decode_kernel_shared_expert_group():
     for num_tokens, rows_per_pass in ((1, 8), (5, 8), (16, 16), (16, 8)):
         config = MoEConfig(num_experts=1, top_k=1, hidden_size=7168, max_tokens=num_tokens, dtype=BF16)
         scratch = routed_scratch(config, num_tokens, np.zeros((num_tokens, 1), np.int32))
-        _check_fp8_decode(scratch, 1, 7168, 2048, rows_per_pass=rows_per_pass)
+        _check_fp8_decode(scratch, 1, 7168, 2048, rows_per_pass=rows_per_pass, group_rows=num_tokens)
 
 
 def test_fp8_decode_rows_picks_the_decode_kernel_for_small_reads():
@@ -545,7 +550,9 @@ def test_fp8_decode_rows_picks_the_decode_kernel_for_small_reads():
     assert gemm.fp8_decode_rows(8, 128, 2048, 768) == 8            # Qwen3-30B's experts, T = 1: 38 MB
     assert gemm.fp8_decode_rows(10, 512, 4096, 1024) == 8          # Qwen3.5-397B's, T = 1: 126 MB
     assert gemm.fp8_decode_rows(128, 128, 2048, 768) == 0          # Qwen3-30B's, T = 16: 382 MB
-    assert gemm.fp8_decode_rows(8, 256, 7168, 2048) == 0           # DeepSeek-V3's experts, T = 1: 352 MB
+    assert gemm.fp8_decode_rows(8, 256, 7168, 2048) == 8           # DeepSeek-V3's experts, T = 1: 348 MB
+    assert gemm.fp8_decode_rows(2, 8, 4096, 14336) == 8            # Mixtral's, T = 1: 330 MB
+    assert gemm.fp8_decode_rows(16, 256, 7168, 2048) == 0          # DeepSeek-V3's, T = 2: 684 MB
     assert gemm.fp8_decode_rows(4096 * 8, 256, 7168, 2048) == 0    # prefill
     assert gemm.fp8_decode_rows(1, 1, 256, gemm.FP8_DECODE_MAX_K + 128) == 0  # F past the staging
 

@@ -157,6 +157,47 @@ def test_gated_forward_is_the_activation_of_the_product():
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2, rtol=1e-2)
 
 
+def test_decode_forward_with_shared_is_the_two_products():
+    """Off CUDA: the routed product of gemm.forward / gated_forward and XLA's dense product of x,
+    in one call; and swiglu_decode_with_shared differentiates as the two experts apart."""
+    from jax_moe import experts
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=16, max_tokens=2, dtype=BF16)
+    scratch = routed_scratch(config, 2)
+    rows, offsets, ws = scratch.permuted, scratch.expert_offsets, scratch.workspace
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16)), BF16)
+    up, shared_up = _weights(4, 16, 32), _weights(1, 16, 48, seed=2)[0]
+    for gated in (False, True):
+        out, shared = jax.jit(lambda r, t, g=gated: gemm.decode_forward_with_shared(
+            r, up, offsets, 4, t, shared_up, gated=g))(rows, x)
+        product = jnp.dot(x, shared_up, preferred_element_type=jnp.float32).astype(BF16)
+        want_out = (gemm.gated_forward if gated else gemm.forward)(rows, up, offsets, ws, 4, gemm.DECODE_TILE)[0]
+        want_shared = gemm.gated_silu(product, BF16) if gated else product
+        assert out.shape == want_out.shape and shared.shape == want_shared.shape
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+        np.testing.assert_array_equal(np.asarray(shared, np.float32), np.asarray(want_shared, np.float32))
+
+    down, shared_down = _weights(4, 16, 16, seed=3), _weights(1, 24, 16, seed=4)[0]
+    layer = {"shared_gate_up": shared_up, "shared_down": shared_down, "shared_gate": _weights(1, 16, 1, seed=5)[0]}
+
+    def fused(r, w1, w2, t, sw1, sw2):
+        params = dict(layer, shared_gate_up=sw1, shared_down=sw2)
+        out, shared, _ = experts.swiglu_decode_with_shared(r, w1, w2, offsets, ws, 4, 2, params, t)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(shared.astype(jnp.float32) ** 2)
+
+    def apart(r, w1, w2, t, sw1, sw2):
+        params = dict(layer, shared_gate_up=sw1, shared_down=sw2)
+        out, _ = experts._swiglu_grouped(r, w1, w2, offsets, ws, 4, gemm.DECODE_TILE, 2)
+        shared = experts._gate_shared(params, t, experts._shared_swiglu_decode(t, sw1, sw2))
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(shared.astype(jnp.float32) ** 2)
+
+    operands = (rows, up, down, x, shared_up, shared_down)
+    got = jax.jit(jax.value_and_grad(fused, argnums=range(6)))(*operands)
+    want = jax.jit(jax.value_and_grad(apart, argnums=range(6)))(*operands)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert float(jnp.max(jnp.abs(w.astype(jnp.float32)))) > 0
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=1e-3)
+
+
 # ---- the CUDA kernel ----------------------------------------------------------------------------
 
 def _model_config(name, max_tokens, **overrides):
@@ -254,6 +295,61 @@ def test_gpu_shared_expert_on_the_decode_kernel(num_tokens):
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
     hlo = jax.jit(experts.shared_experts).lower({"shared_gate_up": gate_up, "shared_down": down}, x).compile()
     assert hlo.as_text().count("jax_moe_decode_matmul") >= 2
+
+
+# (model or (E, k, H, F), Fs, T): DeepSeek-V3 and Qwen3.5's shared experts; a shared expert wider
+# than the routed ones (the grid spans it) with one expert owning every row (align 8, 3 passes).
+SHARED_LAUNCH_CASES = [("deepseek_v3", 2048, 1), ("deepseek_v3", 2048, 2), ("qwen35_397b", 512, 1),
+                       ((4, 1, 256, 128), 384, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,shared_ffn,num_tokens", SHARED_LAUNCH_CASES,
+                         ids=["deepseek_v3-T1", "deepseek_v3-T2", "qwen35_397b-T1", "wide-shared-T2"])
+def test_gpu_shared_expert_rides_the_routed_decode_launch(model, shared_ffn, num_tokens):
+    """gemm.decode_forward_with_shared on the GPU: the routed rows against ragged_dot (zero past
+    the groups), the shared rows against XLA's float32 dot, gated and plain; moe_layer then makes
+    two decode launches with the shared expert in them and none of its own."""
+    from jax_moe import experts
+    if isinstance(model, str):
+        config, ffn = _model_config(model, num_tokens)
+        scratch = routed_scratch(config, num_tokens)
+    else:
+        (num_experts, top_k, hidden, ffn) = model
+        config = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden, max_tokens=num_tokens,
+                           dtype=BF16, align=8)
+        scratch = routed_scratch(config, num_tokens, np.zeros((num_tokens, 1), np.int32))
+    hidden = config.hidden_size
+    num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
+    x = jnp.asarray(np.random.default_rng(num_tokens).standard_normal((num_tokens, hidden)), BF16)
+    shared_up, shared_down = _weights(1, hidden, 2 * shared_ffn, seed=3)[0], _weights(1, shared_ffn, hidden, seed=4)[0]
+    up = _weights(config.num_experts, hidden, 2 * ffn)
+    run = jax.jit(lambda r, w, t, sw, gated: gemm.decode_forward_with_shared(
+        r, w, scratch.expert_offsets, num_rows, t, sw, gated=gated, group_rows=group_rows), static_argnums=4)
+    activated, shared_activated = run(scratch.permuted, up, x, shared_up, True)
+    hidden_rows = _reference(scratch.permuted, up, scratch, num_rows)
+    want = np.asarray(gemm.gated_silu(jnp.asarray(hidden_rows, BF16), jnp.float32))
+    np.testing.assert_allclose(np.asarray(activated, np.float32), want, atol=3e-2, rtol=3e-2)
+    assert_zero_past_groups(np.asarray(activated, np.float32), scratch.expert_offsets, live_nonzero=False)
+    dense = jnp.dot(x, shared_up, preferred_element_type=jnp.float32).astype(BF16)
+    want_shared = np.asarray(gemm.gated_silu(dense, jnp.float32))
+    np.testing.assert_allclose(np.asarray(shared_activated, np.float32), want_shared, atol=3e-2, rtol=3e-2)
+    del up
+    down = _weights(config.num_experts, ffn, hidden, seed=2)
+    out, shared_out = run(activated, down, shared_activated, shared_down, False)
+    np.testing.assert_allclose(np.asarray(out, np.float32), _reference(activated, down, scratch, num_rows),
+                               atol=3e-2, rtol=3e-2)
+    assert_zero_past_groups(np.asarray(out, np.float32), scratch.expert_offsets, live_nonzero=False)
+    want_out = np.asarray(jnp.dot(shared_activated, shared_down, preferred_element_type=jnp.float32))
+    np.testing.assert_allclose(np.asarray(shared_out, np.float32), want_out, atol=3e-2, rtol=3e-2)
+
+    if isinstance(model, str):  # the layer takes it: two launches, the shared expert in both
+        layer = {"router": _weights(1, hidden, config.num_experts, seed=5)[0], "gate_up": _weights(
+            config.num_experts, hidden, 2 * ffn), "down": down, "shared_gate_up": shared_up, "shared_down": shared_down}
+        assert experts.shared_rides_decode(layer, x, gemm.pick_tile(num_rows, config.num_experts, group_rows))
+        hlo = jax.jit(jax_moe.moe_layer).lower(layer, x, init_scratch(config)).compile().as_text()
+        assert hlo.count("custom_call_target=\"jax_moe_decode_matmul_shared\"") == 2, hlo.count("decode_matmul")
+        assert "custom_call_target=\"jax_moe_decode_matmul\"" not in hlo
 
 
 TILE_CASES = [(16, gemm.SMALL_M_TILE), (300, gemm.MEDIUM_M_TILE), (2048, gemm.LARGE_M_TILE), (16, gemm.DECODE_TILE),

@@ -5,6 +5,8 @@ scratch donated and threaded step to step, routing by each layer's own router), 
 - ``jax_moe``: the kernels ``gemm.pick_tile`` chooses (the decode kernel at few rows per expert);
 - ``jax_moe/cutlass``: the same step with the decode kernel switched off (CUTLASS grouped GEMMs:
   the path before it), so the crossover is measured in the same run;
+- ``jax_moe/shared-apart`` (models with a shared expert, where it rides the routed experts'
+  decode launches): the same step with the shared expert in launches of its own;
 - ``jax_moe/fp8``: the same step on FP8 experts (``jax_moe.fp8``: e4m3 weights, a float32 scale
   per 128 x 128 block; the same draws, quantised; the rows quantised per 1 x 128 group; the kernels
   ``gemm.fp8_decode_rows`` picks: the FP8 decode kernel at few rows per expert), where H and F are
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe
-from jax_moe import fp8, gemm
+from jax_moe import experts, fp8, gemm
 from jax_moe.bench import timing, torch_peer
 from jax_moe.bench.models import ROW_DTYPE, ModelShape
 from jax_moe.bench.stack_suite import init_stack_params
@@ -44,6 +46,7 @@ LAYERS = {"mixtral": 8, "qwen3_30b": 16, "deepseek_v3": 4, "qwen35_397b": 8, "ti
 PEER_STEPS, PEER_WARMUP, PEER_TIMEOUT_S = 50, 5, 300
 DENSE_TFLOPS = 790.0  # bf16 dense rate of the H200 (DESIGN.md §7b), for the FLOP roofline only
 VARIANTS = ("jax_moe", "jax_moe/cutlass")
+SHARED_APART = "jax_moe/shared-apart"
 FP8_VARIANT = "jax_moe/fp8"
 FP8_VARIANTS = (FP8_VARIANT, "jax_moe/fp8-cutlass")
 METHOD = ("Per layer = back-to-back step time / L (" + timing.STEP_METHOD + "). Roofline = (bytes of the "
@@ -67,6 +70,17 @@ def _kernel_switch(limit: str, enabled: bool):
 def decode_kernel(enabled: bool):
     """Traces inside see ``gemm.pick_tile`` with the decode kernel on (as shipped) or off."""
     return _kernel_switch("DECODE_MAX_ROWS_PER_EXPERT", enabled)
+
+
+@contextlib.contextmanager
+def shared_in_decode_launch(enabled: bool):
+    """Traces inside run a shared expert at decode in the routed experts' launches (as shipped) or apart."""
+    saved = experts.SHARED_IN_DECODE_LAUNCH
+    experts.SHARED_IN_DECODE_LAUNCH = enabled
+    try:
+        yield
+    finally:
+        experts.SHARED_IN_DECODE_LAUNCH = saved
 
 
 def fp8_decode_kernel(enabled: bool):
@@ -151,9 +165,12 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
             / (DENSE_TFLOPS * 1e6),
             "tile": gemm.TILE_NAMES[gemm.pick_tile(config.live_row_bound(tokens), config.num_local_experts,
                                                    config.group_row_bound(tokens))]}
-        for variant in VARIANTS:
+        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)  # (no copy of a layer)
+        fused = experts.shared_rides_decode(layer, x, gemm.pick_tile(
+            config.live_row_bound(tokens), config.num_local_experts, config.group_row_bound(tokens)))
+        for variant in VARIANTS + ((SHARED_APART,) if fused else ()):
             rows.append(row := {**base, "impl": variant})
-            with decode_kernel(variant == "jax_moe"):
+            with decode_kernel(variant != "jax_moe/cutlass"), shared_in_decode_launch(variant != SHARED_APART):
                 _time_step(params, x, config, layers, row)
         if peer is not None:
             rows.append({**base, "impl": "peer", **{k: v for k, v in peer.get(tokens, {}).items()
@@ -212,7 +229,7 @@ def table(rows: list[dict]) -> str:
         first = next(iter(by.values()))
         line = [first["label"], str(tokens), f"{first['active_experts']:.1f}", fmt_us(first.get("roofline_us")),
                 first["tile"]]
-        for impl in (*VARIANTS, "peer"):
+        for impl in (*VARIANTS, SHARED_APART, "peer"):
             r = by.get(impl, {})
             line += [fmt_us(r.get("us_per_layer")), fmt_pct(r.get("pct_roofline"))]
         ours, peer, fp8_row = by.get("jax_moe", {}), by.get("peer", {}), by.get(FP8_VARIANT, {})
@@ -226,7 +243,7 @@ def table(rows: list[dict]) -> str:
                  if ours.get("us_per_layer") and fp8_row.get("us_per_layer") else "–"]
         lines.append(line)
     return md_table(["model", "T", "experts read", "roofline µs", "kernel", "jax_moe µs", "% roofline",
-                     "CUTLASS path µs", "% roofline", "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
+                     "CUTLASS path µs", "% roofline", "shared expert apart µs", "% roofline", "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
                      "FP8 roofline µs", "FP8 µs", "% FP8 roofline", "FP8 CUTLASS path µs", "% FP8 roofline",
                      "FP8 vs bf16"], lines)
 

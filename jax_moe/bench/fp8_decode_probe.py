@@ -2,7 +2,8 @@
 
 ``python -m jax_moe.bench.fp8_decode_probe --out FILE.json [--cases deepseek_v3:1,qwen3_30b:16]
 [--experts N]`` (a GPU): one ``gemm.fp8_swiglu_forward`` per path (``decode_rows`` 0, 8 and, from 3
-rows per expert, 16) on randomly routed top-k rows, kernel time per call from a profiler trace
+rows per expert, 16; ``decode8_bound``: 8 with ``group_rows``, the rows staged a pass bounded by
+what one expert can own) on randomly routed top-k rows, kernel time per call from a profiler trace
 (CUPTI), and what ``gemm.fp8_decode_rows`` picks. A case is MODEL:T, or ``ds_shared:T`` for
 DeepSeek-V3's shared expert (one group of T rows). Weights are rotated over 4 copies where one set
 is under 4 GB, so the reads come from HBM, not L2. ``--experts N`` keeps N experts (at least the
@@ -91,11 +92,14 @@ def measure(name: str, tokens: int, experts: int | None = None) -> dict:
     expected = gemm.expected_rows_per_expert(live, num_local)
     result = {"experts": num_local, "H": hidden, "F": ffn, "rows": live, "rows_per_expert": round(expected, 2),
               "pick": gemm.fp8_decode_rows(live, num_local, hidden, ffn)}
-    for label, decode_rows in (("cutlass", 0), ("decode8", 8), ("decode16", 16)):
-        if decode_rows == 16 and expected < 3:
+    bound = config.group_row_bound(tokens)
+    result["group_rows"] = bound
+    for label, decode_rows, group_rows in (("cutlass", 0, None), ("decode8", 8, None), ("decode8_bound", 8, bound),
+                                           ("decode16", 16, None)):
+        if decode_rows == 16 and expected < 3 or label == "decode8_bound" and bound >= 8:
             continue
-        fn = jax.jit(lambda w, s, d=decode_rows: gemm.fp8_swiglu_forward(
-            s.permuted, *w, s.expert_offsets, s.workspace, live, decode_rows=d)[0])
+        fn = jax.jit(lambda w, s, d=decode_rows, g=group_rows: gemm.fp8_swiglu_forward(
+            s.permuted, *w, s.expert_offsets, s.workspace, live, decode_rows=d, group_rows=g)[0])
         try:
             result[label] = kernel_us(fn, [(w, scratch) for w in weight_sets])
         except Exception as e:  # a case that fails is reported, the others still run
