@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <string>
 
 #include "bf16_vector.cuh"
 #include "decode_gemm.h"
@@ -259,35 +258,24 @@ struct DecodeShape {
 };
 
 // Bytes of weights the busiest SM streams: each SM streams at about its share of the copy rate, so
-// a launch lasts about as long as its busiest SM, which holds ceil(blocks / SMs) of them. (The
-// four models' T = 1 launches match it within ~10 %: Qwen3-30B's gate/up, 192 narrow blocks, two
-// on some SMs, 16.9 us where its 50 MB alone would take 11.8.)
+// a launch lasts about as long as its busiest SM, which holds ceil(blocks / SMs) of them (Qwen3-30B's
+// gate/up at T = 1: 192 narrow blocks, two on some SMs, 16.9 us where its 50 MB alone take 11.8).
 int64_t BusiestSmBytes(const DecodeShape& shape, int64_t k) {
   const int sms = GemmSmCount();
   const int64_t wave = sms > 0 ? sms : kWaveBlocks;
   return (shape.working * shape.split + wave - 1) / wave * (k / shape.split) * (shape.wide ? 128 : 64) * 2;
 }
 
-// JAX_MOE_DECODE_SHAPE=balanced also weighs the other tile width by BusiestSmBytes (a knob for
-// measuring it against the rule below; read once).
-bool BalancedDecodeShape() {
-  static const bool balanced = [] {
-    const char* value = std::getenv("JAX_MOE_DECODE_SHAPE");
-    return value != nullptr && std::string(value) == "balanced";
-  }();
-  return balanced;
-}
-
-// The shape: wide tiles while they fill more than a wave of blocks, narrow ones otherwise (with
-// JAX_MOE_DECODE_SHAPE=balanced, the other width where it leaves the busiest SM fewer bytes:
-// DeepSeek-V3's down projection at T = 1, 448 wide blocks are four on some SMs, 896 narrow ones at
-// most seven, 12 % fewer bytes); then a K split while the grid is at most half a wave (kWaveBlocks).
+// The shape: wide tiles while they fill more than a wave of blocks, narrow ones otherwise; then a K
+// split while the grid is at most half a wave (kWaveBlocks). (Choosing the width by
+// BusiestSmBytes instead was slower where it picked narrow tiles for large grids: Mixtral at T = 1,
+// 226 vs 192 us a layer; DeepSeek-V3 at T = 16, 2670 vs 2161: notebooks/results/
+// bench_decode_balanced_shape_h200.md. The cost decides only whether a shared product joins.)
 DecodeShape ShapeOf(const DecodeGemmArgs& args) {
   const bool gated = args.gated, shared = args.shared_weights != nullptr;
   const int64_t routed_slots = std::min(args.num_groups, args.out_rows);
   const int64_t routed_width = gated ? args.n / 2 : args.n, shared_width = gated ? args.shared_n / 2 : args.shared_n;
   const int64_t k = std::min(routed_slots > 0 ? args.k : INT64_MAX, shared ? args.shared_k : INT64_MAX);
-  const int64_t deepest = std::max(routed_slots > 0 ? args.k : 0, shared ? args.shared_k : 0);
   auto shape_of = [&](bool wide) {
     const int64_t out_cols = (gated ? 32 : 64) * (wide ? 2 : 1);
     const int64_t routed_tiles = routed_slots > 0 ? (routed_width + out_cols - 1) / out_cols : 0;
@@ -295,10 +283,8 @@ DecodeShape ShapeOf(const DecodeGemmArgs& args) {
     return DecodeShape{wide, 1, std::max(routed_tiles, shared_tiles), routed_slots + (shared ? 1 : 0),
                        routed_tiles * routed_slots + shared_tiles};
   };
-  const DecodeShape wide = shape_of(true), narrow = shape_of(false);
-  DecodeShape shape = wide.working > kWaveBlocks ? wide : narrow;
-  const DecodeShape& other = shape.wide ? narrow : wide;
-  if (BalancedDecodeShape() && BusiestSmBytes(other, deepest) < BusiestSmBytes(shape, deepest)) shape = other;
+  const DecodeShape wide = shape_of(true);
+  DecodeShape shape = wide.working > kWaveBlocks ? wide : shape_of(false);
   const int64_t k_steps = k / kStepRows;
   for (int split : {4, 2})
     if (split * shape.working <= kWaveBlocks && k_steps >= split * kWarps * (32 / (shape.wide ? 16 : 8))) {
@@ -360,9 +346,11 @@ cudaError_t LaunchOne(const DecodeGemmArgs& args, cudaStream_t stream) {
 
 // Whether the shared product joins the routed experts' launch: when that leaves the busiest SM no
 // more bytes than the two launches apart (BusiestSmBytes; a launch of its own costs its start and
-// its tail besides). Measured: Qwen3.5's shared expert at T = 1 fills the routed grid's last wave
-// (101 us a layer joined vs 114 apart); DeepSeek-V3's gate/up, 256 blocks, two an SM, would make
-// some SMs stream three (243 us joined, both projections, vs 229 apart).
+// its tail besides). Measured on the H200, µs a layer at T = 1 (bench_decode_shared_launch_h200.md):
+// Qwen3.5's shared expert joins both launches, filling the routed grids' last waves (101 vs 114
+// apart); DeepSeek-V3's joins the down projection only (223 vs 231): in its gate/up grid, 256
+// blocks, two an SM, the shared expert's 32 more would make some SMs stream three (243 with both
+// joined, bench_decode_shared_always_joined_h200.md).
 bool SharedJoinsLaunch(const DecodeGemmArgs& args) {
   if (std::min(args.num_groups, args.out_rows) == 0) return true;
   DecodeGemmArgs routed = args, shared = args;
