@@ -299,6 +299,18 @@ def decode_forward_with_shared(rows, weights, offsets, num_rows: int, x, shared_
     keep every SM streaming weights: here its weights stream beside the routed experts'. bf16;
     XLA's products (the same roundings) off CUDA. No autodiff rule.
     """
+    op = "decode_forward_with_shared"
+    width = 16 if gated else 8  # (N / 2 a multiple of 8 when gated)
+    for name, value, ndim in (("rows", rows, 2), ("weights", weights, 3), ("x", x, 2), ("shared_weights", shared_weights, 2)):
+        if jnp.ndim(value) != ndim or jnp.dtype(value.dtype) != jnp.dtype(jnp.bfloat16):
+            raise ValueError(f"{op}: {name}: expected a bf16 array of {ndim} dimensions, got "
+                             f"{jnp.dtype(value.dtype).name}{list(jnp.shape(value))}")
+    if weights.shape[1] != rows.shape[1] or weights.shape[2] % width or rows.shape[1] % 8:
+        raise ValueError(f"{op}: weights: expected [El, K={rows.shape[1]}, N] with K a multiple of 8 and N of "
+                         f"{width}, got {list(weights.shape)}")
+    if shared_weights.shape[0] != x.shape[1] or shared_weights.shape[1] % width or x.shape[1] % 8 or x.shape[0] < 1:
+        raise ValueError(f"{op}: shared_weights: expected [Ks={x.shape[1]}, Ns] for x [T >= 1, Ks] with Ks a multiple "
+                         f"of 8 and Ns of {width}, got {list(shared_weights.shape)} (x {list(x.shape)})")
     num_tokens = x.shape[0]
     out_shape = (num_rows, weights.shape[2] // 2 if gated else weights.shape[2])
     shared_shape = (num_tokens, shared_weights.shape[1] // 2 if gated else shared_weights.shape[1])
@@ -541,8 +553,8 @@ def fp8_dequantized_matmul(rows, weights_nk, scale_nk, offsets, num_rows: int):
 # setup or activation kernels between, no workspace. It starts faster than CUTLASS's FP8 path and,
 # staging only the rows an expert can own (group_rows), streams as fast up to about 350 MB, so it
 # is taken while the owning experts expect at most FP8_DECODE_MAX_ROWS_PER_EXPERT rows and together
-# read at most FP8_DECODE_MAX_BYTES of weights (Qwen3-30B at T = 16, a tie, stays on CUTLASS). Measured on the H200, kernel times per
-# call, decode kernel vs CUTLASS: DeepSeek-V3's experts at T = 1, 352 MB, 111 vs 119 us, and at T =
+# read at most FP8_DECODE_MAX_BYTES of weights (Qwen3-30B at T = 16, a tie, stays on CUTLASS).
+# Measured on the H200, kernel times per call, decode kernel vs CUTLASS: DeepSeek-V3's experts at T = 1, 352 MB, 111 vs 119 us, and at T =
 # 2, 680 MB, 205 vs 195; Mixtral's two at T = 1, 352 MB, 111 vs 130; Qwen3.5-397B's at T = 1, 126
 # MB, 50 vs 65; Qwen3-30B's at T = 1, 22 vs 33, and at T = 16, 382 MB, 124 vs 123; DeepSeek-V3's
 # shared expert at T = 1, 44 MB, 24 vs 44, at T = 4, 32 vs 44, at T = 16, 75 vs 44

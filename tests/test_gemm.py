@@ -8,6 +8,7 @@ on the groups a real permute wrote.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -191,6 +192,11 @@ def test_decode_forward_with_shared_is_the_two_products():
         return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(shared.astype(jnp.float32) ** 2)
 
     operands = (rows, up, down, x, shared_up, shared_down)
+    for bad, message in (((rows, up, offsets, 4, x.astype(jnp.float32), shared_up), "x: expected a bf16 array"),
+                         ((rows, up[:, :8], offsets, 4, x, shared_up), "weights: expected [El, K=16, N]"),
+                         ((rows, up, offsets, 4, x, shared_up[:, :40]), "shared_weights: expected [Ks=16, Ns]")):
+        with pytest.raises(ValueError, match=re.escape(f"decode_forward_with_shared: {message}")):
+            gemm.decode_forward_with_shared(*bad, gated=True)
     got = jax.jit(jax.value_and_grad(fused, argnums=range(6)))(*operands)
     want = jax.jit(jax.value_and_grad(apart, argnums=range(6)))(*operands)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -243,7 +243,8 @@ def table(rows: list[dict]) -> str:
                  if ours.get("us_per_layer") and fp8_row.get("us_per_layer") else "–"]
         lines.append(line)
     return md_table(["model", "T", "experts read", "roofline µs", "kernel", "jax_moe µs", "% roofline",
-                     "CUTLASS path µs", "% roofline", "shared expert apart µs", "% roofline", "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
+                     "CUTLASS path µs", "% roofline", "shared expert apart µs", "% roofline",
+                     "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
                      "FP8 roofline µs", "FP8 µs", "% FP8 roofline", "FP8 CUTLASS path µs", "% FP8 roofline",
                      "FP8 vs bf16"], lines)
 
