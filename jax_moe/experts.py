@@ -8,7 +8,9 @@ up_e(r))`` to its rows r. Two implementations:
   with a hand-written backward: four more grouped GEMMs (input and weight gradient of each
   projection), bf16 operands and float32 accumulation, no float32 copy of any weight.
 ``run_experts`` picks one for a layer. ``shared_experts`` is the dense SwiGLU expert every token
-goes through in DeepSeek-V3 and Qwen2/3.5-MoE, optionally scaled by a sigmoid gate.
+goes through in DeepSeek-V3 and Qwen2/3.5-MoE, optionally scaled by a sigmoid gate; at decode it
+streams its weights inside the routed experts' decode launches (``run_experts_and_shared``,
+``swiglu_decode_with_shared``).
 """
 
 from __future__ import annotations
