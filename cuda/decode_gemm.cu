@@ -1,6 +1,7 @@
 // The decode grouped GEMM (decode_gemm.h). Grid: x = a tile of output columns, y = a slot: block
 // (x, y) finds the y-th expert that owns rows and streams that expert's [K, tile] weight columns
-// once per pass over (up to rows_per_pass of) its rows. Within a block each lane owns 8
+// once per pass over (up to rows_per_pass of) its rows (with a shared product, the last slot
+// streams the shared weights over every row of shared_x instead). Within a block each lane owns 8
 // consecutive columns (one 16-byte load per k row) and 8 consecutive k rows per step (one 16-byte
 // load of each row's x); lanes and warps split K, and a fixed-order reduction sums their parts.
 #include <cuda_bf16.h>
