@@ -635,23 +635,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeGroupedMatmulIntoCuda, jax_moe::GroupedMatmu
                                   .Attr<int64_t>("offset"),            // element of the slice
                               {ffi::Traits::kCmdBufferCompatible});
 
+// The decode GEMM's routed operands, shared by its two handlers.
+static auto BindDecodeMatmulOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()          // rows [R, K], bf16
+      .Arg<ffi::AnyBuffer>()          // weights [El, K, N], bf16
+      .Arg<ffi::Buffer<ffi::S32>>();  // expert_offsets [El + 1]
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeMatmulCuda, jax_moe::DecodeMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // rows [R, K], bf16
-                                  .Arg<ffi::AnyBuffer>()               // weights [El, K, N], bf16
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
+                              BindDecodeMatmulOperands()
                                   .Ret<ffi::AnyBuffer>()               // out, bf16
                                   .Attr<bool>("gated")                 // silu(gate) * up epilogue
                                   .Attr<int64_t>("rows_per_pass"),     // 1, 2, 4 or 8
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeMatmulSharedCuda, jax_moe::DecodeMatmulSharedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // rows [R, K], bf16
-                                  .Arg<ffi::AnyBuffer>()               // weights [El, K, N], bf16
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
+                              BindDecodeMatmulOperands()
                                   .Arg<ffi::AnyBuffer>()               // shared_x [T, Ks], bf16
                                   .Arg<ffi::AnyBuffer>()               // shared_weights [Ks, Ns], bf16
                                   .Ret<ffi::AnyBuffer>()               // out, bf16

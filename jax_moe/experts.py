@@ -397,8 +397,7 @@ def run_experts_and_shared(expert_fn: ExpertFn | None, layer_params: dict, scrat
     shared [T, H] or None, scratch)``. The shared expert streams in the routed experts' decode
     launches where ``shared_rides_decode`` says so (DeepSeek-V3 and Qwen3.5 at T <= 2)."""
     config, num_tokens = scratch.config, tokens.shape[0]
-    if (expert_fn is None and "shared_gate_up" in layer_params and uses_grouped_matmul(layer_params, config)
-            and not fp8.is_quantized(layer_params)):
+    if expert_fn is None and uses_grouped_matmul(layer_params, config):
         num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
         if shared_rides_decode(layer_params, tokens, gemm.pick_tile(num_rows, config.num_local_experts, group_rows)):
             gate_up, down = fp8.expert_weights(layer_params, config.dtype)
