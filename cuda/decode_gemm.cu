@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 #include "bf16_vector.cuh"
 #include "decode_gemm.h"
@@ -373,7 +374,8 @@ bool SharedJoinsLaunch(const DecodeGemmArgs& args) {
 // Operands: lane (g = lane / 4, t = lane % 4) takes 16 weight bytes of rows g and g + 8 at t * 16
 // and at 64 + t * 16 in the K block, and the staged row's bytes at the same offsets: with the same
 // permutation of K in both operands, the fragments need no shuffle (product j takes bytes 8j..8j+7
-// of the lane's 32).
+// of the lane's 32). Fp8StreamKernel (below) takes the same operands into registers instead of a
+// ring, and can carry a shared expert's product as one more slot (Fp8UsesRing says which runs).
 constexpr int kFp8TileRows = 16;
 constexpr int kFp8Block = 128;
 constexpr int kFp8TileBytes = kFp8TileRows * kFp8Block;  // one tile's K block: 2 KB
@@ -430,6 +432,18 @@ struct Fp8DecodeGemmArgs {
   int units_per_block, stages;
   int runs_per_block;       // consecutive runs of units_per_block tiles a block takes (Fp8RunsPerBlock)
   int pass_rows;            // rows staged per pass, 1 to 8 * kSlices: no more than one expert can own
+  // Fp8StreamKernel's schedule over the routed slots' runs (slot-major, runs_per_slot each), then
+  // the shared product's: contiguous ranges of units_per_cta runs a block, or with units_per_cta 0
+  // blocks_per_slot blocks a slot of runs_per_block runs each (no block meets two slots).
+  int64_t num_slots, runs_per_slot, units_per_cta, blocks_per_slot;
+  // Optional (shared_weights non-null): a shared expert's product as one more slot whose group is
+  // every row of shared_rows, with its own sizes (N, K) and tiling.
+  const Bf16* shared_rows = nullptr;        // [shared_count, shared_k]
+  const uint8_t* shared_weights = nullptr;  // [shared_n, shared_k] e4m3
+  const float* shared_scale = nullptr;      // [shared_n / 128, shared_k / 128]
+  Bf16* shared_out = nullptr;               // [shared_count, gated ? shared_n / 2 : shared_n]
+  int64_t shared_count = 0, shared_k = 0, shared_n = 0, shared_runs = 0;
+  int shared_units_per_block = 1, shared_pass_rows = 1;
 };
 
 // Shared memory, dynamic: the pass's rows quantised [pass_rows][K + pad] bytes and their scales
@@ -441,6 +455,109 @@ __host__ __device__ inline int64_t Fp8StagingBytes(int64_t rows, int64_t k) { re
 // Each warp's float32 sums of its tiles' C fragments, for the block's in-order reduction.
 template <bool kGated, int kSlices>
 using Fp8Partial = float[kWarps][kGated ? 2 : 1][kSlices][4][32];
+
+// Stages rows_now rows of x [., k] bf16 quantised into shared memory (jax_moe.fp8.quantize_rows'
+// bytes): staged [rows][k + kFp8RowPad] e4m3 and row_scale [rows][k / 128], kStageLoads pieces of 8
+// values per thread in flight. Staged rows past rows_now keep stale bytes: each output column of the
+// products depends on its own row alone, and those columns are never stored. Whole block.
+__device__ void StageFp8Rows(const Bf16* x, int rows_now, int64_t k, uint8_t* staged, float* row_scale) {
+  const int warp = threadIdx.x >> 5;
+  const int64_t stride = k + kFp8RowPad, blocks_k = k / kFp8Block;
+  const int64_t pieces_per_row = k / 8, pieces = rows_now * pieces_per_row;
+  const int64_t padded = (pieces + 31) / 32 * 32;  // whole warps reach QuantizeGroupPiece's shuffles
+  for (int64_t base = 0; base < padded; base += kStageLoads * kThreads) {
+    uint4 raw[kStageLoads];
+#pragma unroll
+    for (int u = 0; u < kStageLoads; ++u) {
+      const int64_t piece = base + u * kThreads + threadIdx.x;
+      const int r = static_cast<int>(piece / pieces_per_row);
+      raw[u] = piece < pieces ? __ldg(reinterpret_cast<const uint4*>(x + r * k) + (piece - r * pieces_per_row)) : uint4{};
+    }
+#pragma unroll
+    for (int u = 0; u < kStageLoads; ++u) {
+      const int64_t piece = base + u * kThreads + threadIdx.x;
+      if (base + u * kThreads + warp * 32 >= padded) break;  // warp-uniform
+      float v[8];
+      Unpack(raw[u], v);
+      uint2 packed;
+      const float s = QuantizeGroupPiece(v, &packed);
+      if (piece >= pieces) continue;
+      const int r = static_cast<int>(piece / pieces_per_row);
+      const int64_t col = (piece - r * pieces_per_row) * 8;
+      *reinterpret_cast<uint2*>(staged + r * stride + col) = packed;
+      if (col % kFp8Block == 0) row_scale[r * blocks_k + col / kFp8Block] = s;
+    }
+  }
+}
+
+// One K block of a warp's tiles: sum[q][sl] += (tile q's 16 x 128 weights a[q] against staged rows
+// sl * 8 .. sl * 8 + 7) * w_scale[q] * row_scale, in C-fragment layout (MmaBlock).
+template <int kTiles, int kSlices>
+__device__ __forceinline__ void Fp8BlockProduct(float (&sum)[kTiles][kSlices][4], const uint4 (&a)[kTiles][4],
+                                                const float (&w_scale)[kTiles], const uint8_t* staged,
+                                                const float* row_scale, int64_t stride, int64_t blocks_k,
+                                                int64_t kb, int pass_rows) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int sl = 0; sl < kSlices; ++sl) {
+    const uint8_t* x = staged + min(sl * 8 + g, pass_rows - 1) * stride + kb * kFp8Block + t * 16;
+    const uint4 b[2] = {*reinterpret_cast<const uint4*>(x), *reinterpret_cast<const uint4*>(x + 64)};
+    const float xs0 = row_scale[min(sl * 8 + 2 * t, pass_rows - 1) * blocks_k + kb];
+    const float xs1 = row_scale[min(sl * 8 + 2 * t + 1, pass_rows - 1) * blocks_k + kb];
+#pragma unroll
+    for (int q = 0; q < kTiles; ++q) {
+      float c[4];
+      MmaBlock(c, a[q], b);
+      sum[q][sl][0] = __fmaf_rn(c[0], __fmul_rn(w_scale[q], xs0), sum[q][sl][0]);
+      sum[q][sl][1] = __fmaf_rn(c[1], __fmul_rn(w_scale[q], xs1), sum[q][sl][1]);
+      sum[q][sl][2] = __fmaf_rn(c[2], __fmul_rn(w_scale[q], xs0), sum[q][sl][2]);
+      sum[q][sl][3] = __fmaf_rn(c[3], __fmul_rn(w_scale[q], xs1), sum[q][sl][3]);
+    }
+  }
+}
+
+// The end of a run: every warp leaves its sums in `partial`, then each unit's first warp (first)
+// sums its warps' parts in warp order and writes the unit's tile (gated: SwiGLU's activation, as
+// LaunchSwigluQuantize: gate and up rounded to bf16, silu(gate) * up in float32). Whole block; the
+// last barrier lets the next run rewrite `partial` (or the next pass restage the rows).
+template <bool kGated, int kSlices>
+__device__ __forceinline__ void Fp8RunEpilogue(Bf16* out, Fp8Partial<kGated, kSlices>& partial,
+                                               const float (&sum)[kGated ? 2 : 1][kSlices][4], int64_t tile,
+                                               bool tile_ok, bool first, int warps_per_unit, int first_row,
+                                               int rows_now, int64_t out_width) {
+  constexpr int kTiles = kGated ? 2 : 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < kTiles; ++q)
+#pragma unroll
+    for (int sl = 0; sl < kSlices; ++sl)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) partial[warp][q][sl][c][lane] = sum[q][sl][c];
+  __syncthreads();
+  if (first && tile_ok) {
+#pragma unroll
+    for (int sl = 0; sl < kSlices; ++sl)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = sl * 8 + 2 * t + (c & 1);  // C fragment: c0, c1 at weight row g, c2, c3 at g + 8
+        const int64_t col = tile * kFp8TileRows + g + (c >> 1) * 8;
+        float tile_sum[kTiles];
+#pragma unroll
+        for (int q = 0; q < kTiles; ++q) {
+          tile_sum[q] = 0.0f;
+          for (int w = 0; w < warps_per_unit; ++w) tile_sum[q] = __fadd_rn(tile_sum[q], partial[warp + w][q][sl][c][lane]);
+        }
+        float result = tile_sum[0];
+        if constexpr (kGated) {
+          const float gate = __bfloat162float(__float2bfloat16_rn(tile_sum[0]));
+          const float up = __bfloat162float(__float2bfloat16_rn(tile_sum[kTiles - 1]));
+          result = gate / (1.0f + expf(-gate)) * up;
+        }
+        if (row < rows_now) out[static_cast<int64_t>(first_row + row) * out_width + col] = __float2bfloat16_rn(result);
+      }
+  }
+  __syncthreads();
+}
 
 template <bool kGated, int kSlices>
 __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs p) {
@@ -517,36 +634,7 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
       if (s < total) issue(s, s);
       CpAsyncCommit();
     }
-    // Stage the pass's rows quantised (jax_moe.fp8.quantize_rows' bytes), kStageLoads pieces of 8
-    // values per thread in flight. Staged rows past rows_now keep stale bytes: each output column
-    // of the products depends on its own row alone, and those columns are never stored.
-    const int64_t pieces_per_row = k / 8, pieces = rows_now * pieces_per_row;
-    const int64_t padded = (pieces + 31) / 32 * 32;  // whole warps reach QuantizeGroupPiece's shuffles
-    for (int64_t base = 0; base < padded; base += kStageLoads * kThreads) {
-      uint4 raw[kStageLoads];
-#pragma unroll
-      for (int u = 0; u < kStageLoads; ++u) {
-        const int64_t piece = base + u * kThreads + threadIdx.x;
-        const int r = static_cast<int>(piece / pieces_per_row);
-        raw[u] = piece < pieces ? __ldg(reinterpret_cast<const uint4*>(p.rows + (first + r) * k) +
-                                        (piece - r * pieces_per_row))
-                                : uint4{};
-      }
-#pragma unroll
-      for (int u = 0; u < kStageLoads; ++u) {
-        const int64_t piece = base + u * kThreads + threadIdx.x;
-        if (base + u * kThreads + warp * 32 >= padded) break;  // warp-uniform
-        float v[8];
-        Unpack(raw[u], v);
-        uint2 packed;
-        const float s = QuantizeGroupPiece(v, &packed);
-        if (piece >= pieces) continue;
-        const int r = static_cast<int>(piece / pieces_per_row);
-        const int64_t col = (piece - r * pieces_per_row) * 8;
-        *reinterpret_cast<uint2*>(staged + r * stride + col) = packed;
-        if (col % kFp8Block == 0) row_scale[r * blocks_k + col / kFp8Block] = s;
-      }
-    }
+    StageFp8Rows(p.rows + first * k, rows_now, k, staged, row_scale);
     __syncthreads();
 
     for (int j = 0; j < runs; ++j) {
@@ -562,64 +650,202 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
         __syncwarp();  // every lane's copies of block `it` are visible to the warp
         if (!tile_ok) continue;
         const uint8_t* slot = ring + (it % stages) * kSlot;
-        const int64_t kb = block_begin + i;
+        uint4 a[kTiles][4];
+        float w_scale[kTiles];
 #pragma unroll
-        for (int sl = 0; sl < kSlices; ++sl) {
-          const uint8_t* x = staged + min(sl * 8 + g, pass_rows - 1) * stride + kb * kFp8Block + t * 16;
-          const uint4 b[2] = {*reinterpret_cast<const uint4*>(x), *reinterpret_cast<const uint4*>(x + 64)};
-          const float xs0 = row_scale[min(sl * 8 + 2 * t, pass_rows - 1) * blocks_k + kb];
-          const float xs1 = row_scale[min(sl * 8 + 2 * t + 1, pass_rows - 1) * blocks_k + kb];
-#pragma unroll
-          for (int q = 0; q < kTiles; ++q) {
-            const uint8_t* tile_bytes = slot + q * kFp8TileBytes;
-            const uint4 a[4] = {*reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g, t)),
-                                *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g, 4 + t)),
-                                *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g + 8, t)),
-                                *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g + 8, 4 + t))};
-            const float ws = reinterpret_cast<const float*>(slot + kTiles * kFp8TileBytes)[q];
-            float c[4];
-            MmaBlock(c, a, b);
-            sum[q][sl][0] = __fmaf_rn(c[0], __fmul_rn(ws, xs0), sum[q][sl][0]);
-            sum[q][sl][1] = __fmaf_rn(c[1], __fmul_rn(ws, xs1), sum[q][sl][1]);
-            sum[q][sl][2] = __fmaf_rn(c[2], __fmul_rn(ws, xs0), sum[q][sl][2]);
-            sum[q][sl][3] = __fmaf_rn(c[3], __fmul_rn(ws, xs1), sum[q][sl][3]);
-          }
+        for (int q = 0; q < kTiles; ++q) {
+          const uint8_t* tile_bytes = slot + q * kFp8TileBytes;
+          a[q][0] = *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g, t));
+          a[q][1] = *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g, 4 + t));
+          a[q][2] = *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g + 8, t));
+          a[q][3] = *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g + 8, 4 + t));
+          w_scale[q] = reinterpret_cast<const float*>(slot + kTiles * kFp8TileBytes)[q];
         }
+        Fp8BlockProduct<kTiles, kSlices>(sum, a, w_scale, staged, row_scale, stride, blocks_k, block_begin + i, pass_rows);
         __syncwarp();  // the slot is read before a later iteration's copies overwrite it
       }
-#pragma unroll
-      for (int q = 0; q < kTiles; ++q)
-#pragma unroll
-        for (int sl = 0; sl < kSlices; ++sl)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) partial[warp][q][sl][c][lane] = sum[q][sl][c];
-      __syncthreads();
-      // The unit's first warp sums its warps' parts in order and writes the unit's tile.
-      if (part == 0 && tile_ok) {
-#pragma unroll
-        for (int sl = 0; sl < kSlices; ++sl)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int row = sl * 8 + 2 * t + (c & 1);  // C fragment: c0, c1 at weight row g, c2, c3 at g + 8
-            const int64_t col = tile * kFp8TileRows + g + (c >> 1) * 8;
-            float tile_sum[kTiles];
-#pragma unroll
-            for (int q = 0; q < kTiles; ++q) {
-              tile_sum[q] = 0.0f;
-              for (int w = 0; w < warps_per_unit; ++w) tile_sum[q] = __fadd_rn(tile_sum[q], partial[warp + w][q][sl][c][lane]);
-            }
-            float result = tile_sum[0];
-            if constexpr (kGated) {
-              // As LaunchSwigluQuantize: gate and up rounded to bf16, silu(gate) * up in float32.
-              const float gate = __bfloat162float(__float2bfloat16_rn(tile_sum[0]));
-              const float up = __bfloat162float(__float2bfloat16_rn(tile_sum[kTiles - 1]));
-              result = gate / (1.0f + expf(-gate)) * up;
-            }
-            if (row < rows_now) p.out[static_cast<int64_t>(first + row) * out_width + col] = __float2bfloat16_rn(result);
-          }
-      }
-      __syncthreads();  // before the next run rewrites `partial` (or the next pass restages the rows)
+      Fp8RunEpilogue<kGated, kSlices>(p.out, partial, sum, tile, tile_ok, part == 0, warps_per_unit, first, rows_now, out_width);
     }
+  }
+}
+
+// The same products with the weights loaded straight into registers, no ring: each warp keeps
+// kDepth K blocks of its tiles in flight in registers (gated: 2 blocks of 8 16-byte loads a lane;
+// down: 4 of 4), reloading a buffer as soon as its product is taken, across runs too, so its loads
+// never drain between runs. The K blocks, their order and every sum are the ring kernel's: the same
+// bits. Shared memory holds only the staged rows, so more blocks fit an SM.
+__device__ __forceinline__ uint4 LoadWeights16(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+template <int kTiles>
+struct Fp8Fragments {
+  uint4 a[kTiles][4];
+  float w_scale[kTiles];
+};
+
+// A stretch of one product that a block of the stream kernel takes: `runs` consecutive runs from
+// first_run of one expert's weights against its group's rows.
+struct Fp8Segment {
+  const Bf16* rows;        // the group's first row [., k]
+  const uint8_t* weights;  // the expert's [n, k] e4m3
+  const float* scale;      // its [n / 128, k / 128]
+  Bf16* out;               // the group's first output row
+  int64_t k, n;
+  int units_per_block, pass_rows, group_rows;
+  int first_run, runs;
+};
+
+template <bool kGated, int kSlices, int kDepth>
+__device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, const Fp8DecodeGemmArgs& p, uint8_t* staged,
+                                                 Fp8Partial<kGated, kSlices>& partial) {
+  constexpr int kTiles = kGated ? 2 : 1;
+  const int64_t k = s.k, n = s.n, blocks_k = k / kFp8Block;
+  const int64_t stride = k + kFp8RowPad;
+  const int pass_rows = s.pass_rows;
+  float* row_scale = reinterpret_cast<float*>(staged + pass_rows * stride);
+  const int64_t out_width = kGated ? n / 2 : n;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int warps_per_unit = kWarps / s.units_per_block;
+  const int unit = warp / warps_per_unit, part = warp % warps_per_unit;
+  const int runs = s.runs;
+  const int begin = static_cast<int>(part * blocks_k / warps_per_unit);
+  const int own32 = static_cast<int>((part + 1) * blocks_k / warps_per_unit) - begin;
+  // Every warp steps through the same number of items a run, a multiple of kDepth (buffer d always
+  // holds an item d mod kDepth of a run, and the block's barriers at each run's end line up); items
+  // past a warp's own K blocks load and multiply nothing.
+  const int count32 = static_cast<int>(((blocks_k + warps_per_unit - 1) / warps_per_unit + kDepth - 1) / kDepth * kDepth);
+  const int tiles32 = static_cast<int>(out_width / kFp8TileRows);
+
+  // Lane (g, t)'s weights: 16 bytes at t * 16 and 64 + t * 16 of rows g and g + 8 of each tile
+  // (MmaBlock's A operand). The items in order: run j (tile first_tile + j * units_per_block), K
+  // block begin + i of the warp's range; a cursor walks them by 32-bit offsets within the expert
+  // (its [N, K] bytes are under 2^31), the fewer registers the more bytes in flight.
+  const uint8_t* weights = s.weights + g * k + t * 16;
+  const int k32 = static_cast<int>(k), up_bytes = static_cast<int>(out_width * k);
+  const int up_scales = static_cast<int>(out_width / kFp8Block * blocks_k);
+  const int first_tile = s.first_run * s.units_per_block + unit;
+  const int tile_step = s.units_per_block;
+  struct Cursor {
+    int i, tile, offset, scale_offset;  // offset: bytes of (tile's row 0, K block begin + i)
+  };
+  auto start = [&]() {
+    const int row0 = first_tile * kFp8TileRows;
+    return Cursor{0, first_tile, row0 * k32 + begin * kFp8Block, row0 / kFp8Block * static_cast<int>(blocks_k) + begin};
+  };
+  auto advance = [&](Cursor& c) {
+    if (++c.i == count32) {
+      c.i = 0;
+      c.tile += tile_step;
+      const int row0 = c.tile * kFp8TileRows;
+      c.offset = row0 * k32 + begin * kFp8Block;
+      c.scale_offset = row0 / kFp8Block * static_cast<int>(blocks_k) + begin;
+    } else {
+      c.offset += kFp8Block;
+      c.scale_offset += 1;
+    }
+  };
+  const int last_tile = min(tiles32, first_tile + runs * tile_step);  // past this block's runs
+  auto load = [&](const Cursor& c, Fp8Fragments<kTiles>& f) {
+    if (c.tile >= last_tile || c.i >= own32) return;
+#pragma unroll
+    for (int q = 0; q < kTiles; ++q) {
+      const uint8_t* src = weights + c.offset + q * up_bytes;
+      f.a[q][0] = LoadWeights16(src);
+      f.a[q][1] = LoadWeights16(src + 64);
+      f.a[q][2] = LoadWeights16(src + 8 * k32);
+      f.a[q][3] = LoadWeights16(src + 8 * k32 + 64);
+      f.w_scale[q] = __ldg(s.scale + c.scale_offset + q * up_scales);
+    }
+  };
+
+
+  for (int first = 0; first < s.group_rows; first += pass_rows) {
+    const int rows_now = min(pass_rows, s.group_rows - first);
+    Fp8Fragments<kTiles> buffer[kDepth];
+    Cursor next = start();
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {  // in flight while the rows are staged
+      load(next, buffer[d]);
+      advance(next);
+    }
+    StageFp8Rows(s.rows + first * k, rows_now, k, staged, row_scale);
+    __syncthreads();
+    for (int j = 0; j < runs; ++j) {
+      const int tile = first_tile + j * tile_step;
+      float sum[kTiles][kSlices][4] = {};
+      for (int i = 0; i < count32; i += kDepth) {
+#pragma unroll
+        for (int d = 0; d < kDepth; ++d) {
+          if (tile < tiles32 && i + d < own32)
+            Fp8BlockProduct<kTiles, kSlices>(sum, buffer[d].a, buffer[d].w_scale, staged, row_scale, stride, blocks_k,
+                                             begin + i + d, pass_rows);
+          load(next, buffer[d]);  // the run's next K blocks, or the next run's first
+          advance(next);
+        }
+      }
+      Fp8RunEpilogue<kGated, kSlices>(s.out, partial, sum, tile, tile < tiles32, part == 0, warps_per_unit, first,
+                                      rows_now, out_width);
+    }
+  }
+}
+
+// The stream kernel, persistent: block b takes runs [b, b + 1) * units_per_cta of the flat
+// schedule (Fp8DecodeGemmArgs), one segment per slot it meets: every SM streams about the same
+// bytes whatever the experts' count and sizes, and a shared expert rides in the same launch.
+template <bool kGated, int kSlices, int kDepth>
+__global__ void __launch_bounds__(kThreads, 1) Fp8StreamKernel(Fp8DecodeGemmArgs p) {
+  extern __shared__ __align__(16) uint8_t staged[];
+  __shared__ Fp8Partial<kGated, kSlices> partial;
+  const int64_t routed = p.num_slots * p.runs_per_slot;
+  const int64_t total = routed + (p.shared_weights != nullptr ? p.shared_runs : 0);
+  int64_t u, end;
+  if (p.units_per_cta > 0) {
+    u = static_cast<int64_t>(blockIdx.x) * p.units_per_cta;
+    end = min(total, u + p.units_per_cta);
+  } else {
+    const int64_t slot = blockIdx.x / p.blocks_per_slot;
+    u = slot * p.runs_per_slot + (blockIdx.x - slot * p.blocks_per_slot) * p.runs_per_block;
+    end = min(u + p.runs_per_block, (slot + 1) * p.runs_per_slot);
+  }
+  const int out_rows = static_cast<int>(p.out_rows);
+  while (u < end) {  // block-uniform
+    Fp8Segment s;
+    if (u < routed) {
+      const int64_t slot = u / p.runs_per_slot;
+      s.first_run = static_cast<int>(u - slot * p.runs_per_slot);
+      s.runs = static_cast<int>(min(end, (slot + 1) * p.runs_per_slot) - u);
+      u += s.runs;
+      const int64_t n = p.n, span = p.units_per_block * kFp8TileRows;
+      if (!kGated && slot == 0) {  // rows past the live count are in no group: zero them, these columns
+        const int live = Clamp(p.expert_offsets[p.num_groups], 0, out_rows);
+        const int64_t col0 = s.first_run * span, cols = min(n, (s.first_run + s.runs) * span) - col0;
+        for (int64_t i = threadIdx.x; i < static_cast<int64_t>(out_rows - live) * cols; i += kThreads)
+          p.out[(live + i / cols) * n + col0 + i % cols] = __float2bfloat16_rn(0.0f);
+      }
+      const Group group = FindGroup(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, static_cast<int>(slot));
+      if (group.index < 0) continue;
+      s.rows = p.rows + static_cast<int64_t>(group.start) * p.k;
+      s.weights = p.weights + group.index * n * p.k;
+      s.scale = p.scale + group.index * (n / kFp8Block) * (p.k / kFp8Block);
+      s.out = p.out + static_cast<int64_t>(group.start) * (kGated ? n / 2 : n);
+      s.k = p.k, s.n = n;
+      s.units_per_block = p.units_per_block, s.pass_rows = p.pass_rows, s.group_rows = group.end - group.start;
+    } else {
+      s.first_run = static_cast<int>(u - routed);
+      s.runs = static_cast<int>(end - u);
+      u = end;
+      s.rows = p.shared_rows, s.weights = p.shared_weights, s.scale = p.shared_scale, s.out = p.shared_out;
+      s.k = p.shared_k, s.n = p.shared_n;
+      s.units_per_block = p.shared_units_per_block, s.pass_rows = p.shared_pass_rows;
+      s.group_rows = static_cast<int>(p.shared_count);
+    }
+    Fp8StreamSegment<kGated, kSlices, kDepth>(s, p, staged, partial);
   }
 }
 
@@ -670,14 +896,48 @@ int Fp8Stages(int64_t k, int pass_rows) {
   return 0;
 }
 
+// Which kernel a launch takes. With a shared product, the stream kernel (Fp8StreamKernel: its
+// schedule carries the extra slot). Routed experts alone, the ring (Fp8DecodeKernel), measured the
+// faster there on the H200 (fp8_decode_probe, kernel us per call, ring vs stream: Qwen3-30B T = 1
+// 21.9 vs 24.6, Mixtral T = 1 107.0 vs 112.5, DeepSeek-V3 T = 1 108.1 vs 104.9, Qwen3.5-397B T = 1
+// 49.3 vs 49.0: notebooks/results/fp8_decode_stream_h200.md); JAX_MOE_FP8_DECODE_KERNEL=stream
+// takes the stream kernel there too, for measuring one against the other (the same bits). Read once.
+bool Fp8RoutedOnStream() {
+  static const bool stream = [] {
+    const char* value = std::getenv("JAX_MOE_FP8_DECODE_KERNEL");
+    return value != nullptr && std::string(value) == "stream";
+  }();
+  return stream;
+}
+bool Fp8UsesRing(const Fp8DecodeGemmArgs& args) { return args.shared_weights == nullptr && !Fp8RoutedOnStream(); }
+
+// Whether a launch staging pass_rows rows fits an SM's shared memory.
+template <bool kGated, int kSlices>
+bool Fp8Fits(int64_t k, int pass_rows, bool ring) {
+  if (ring) return Fp8Stages<kGated, kSlices>(k, pass_rows) > 0;
+  return Fp8StagingBytes(pass_rows, k) + static_cast<int64_t>(sizeof(Fp8Partial<kGated, kSlices>)) + 1024 <= kSmemBytes;
+}
+
 // pass_rows: rows staged per pass, 1 to 8 * kSlices.
 template <bool kGated, int kSlices>
 cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, int pass_rows, cudaStream_t stream) {
+  const bool ring = Fp8UsesRing(args);
+  if (!Fp8Fits<kGated, kSlices>(args.k, pass_rows, ring)) return cudaErrorInvalidValue;
   args.pass_rows = pass_rows;
-  args.stages = Fp8Stages<kGated, kSlices>(args.k, pass_rows);
-  if (args.stages == 0) return cudaErrorInvalidValue;
-  const size_t smem = static_cast<size_t>(Fp8DecodeSmem<kGated>(args.k, pass_rows, args.stages));
-  auto kernel = Fp8DecodeKernel<kGated, kSlices>;
+  args.stages = ring ? Fp8Stages<kGated, kSlices>(args.k, pass_rows) : 0;
+  if (args.shared_weights != nullptr) {
+    args.shared_units_per_block = Fp8UnitsPerBlock(args.shared_k / kFp8Block);
+    const int64_t shared_tiles = (kGated ? args.shared_n / 2 : args.shared_n) / kFp8TileRows;
+    args.shared_runs = (shared_tiles + args.shared_units_per_block - 1) / args.shared_units_per_block;
+    args.shared_pass_rows = static_cast<int>(std::min<int64_t>(args.shared_count, 8 * kSlices));
+    if (!Fp8Fits<kGated, kSlices>(args.shared_k, args.shared_pass_rows, false)) return cudaErrorInvalidValue;
+  }
+  const size_t smem = static_cast<size_t>(
+      ring ? Fp8DecodeSmem<kGated>(args.k, pass_rows, args.stages)
+           : std::max(Fp8StagingBytes(pass_rows, args.k),
+                      args.shared_weights != nullptr ? Fp8StagingBytes(args.shared_pass_rows, args.shared_k) : 0));
+  // Registers hold the stream kernel's loads in flight: one block an SM of up to 255 a thread.
+  auto kernel = ring ? Fp8DecodeKernel<kGated, kSlices> : Fp8StreamKernel<kGated, kSlices, kGated ? 2 : 4>;
   // Past 48 KB of shared memory, static `partial` included, the dynamic part needs the opt-in.
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem));
@@ -688,9 +948,33 @@ cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, int pass_rows, cudaStream_t 
   const int64_t tiles = (kGated ? args.n / 2 : args.n) / kFp8TileRows;
   const int64_t slots = std::min(args.num_groups, args.out_rows);
   const int64_t runs = (tiles + args.units_per_block - 1) / args.units_per_block;
-  args.runs_per_block = Fp8RunsPerBlock(runs, slots, per_sm);
-  const dim3 grid(static_cast<unsigned>((runs + args.runs_per_block - 1) / args.runs_per_block),
-                  static_cast<unsigned>(slots));
+  if (ring) {
+    args.runs_per_block = Fp8RunsPerBlock(runs, slots, per_sm);
+    const dim3 grid(static_cast<unsigned>((runs + args.runs_per_block - 1) / args.runs_per_block),
+                    static_cast<unsigned>(slots));
+    kernel<<<grid, kThreads, smem, stream>>>(args);
+    return cudaGetLastError();
+  }
+  // The stream kernel's schedule. Routed experts alone: the ring's grid (Fp8RunsPerBlock), a slot's
+  // runs in equal chunks, no block meeting two experts. With a shared product: every run of every
+  // slot, then the shared product's, in equal contiguous ranges over the blocks the SMs hold at
+  // once (a block meeting two experts finds the second and stages its rows again, a few us, where
+  // chunks whole a slot would leave the shared product's blocks a second wave).
+  args.num_slots = slots, args.runs_per_slot = runs;
+  unsigned grid;
+  if (args.shared_weights == nullptr) {
+    if (slots == 0) return cudaSuccess;
+    args.runs_per_block = Fp8RunsPerBlock(runs, slots, per_sm);
+    args.blocks_per_slot = (runs + args.runs_per_block - 1) / args.runs_per_block;
+    args.units_per_cta = 0;
+    grid = static_cast<unsigned>(slots * args.blocks_per_slot);
+  } else {
+    const int64_t total = slots * runs + args.shared_runs;
+    const int sms = GemmSmCount();
+    const int64_t capacity = static_cast<int64_t>(sms > 0 ? sms : kWaveBlocks) * std::max(per_sm, 1);
+    args.units_per_cta = (total + capacity - 1) / capacity;
+    grid = static_cast<unsigned>((total + args.units_per_cta - 1) / args.units_per_cta);
+  }
   kernel<<<grid, kThreads, smem, stream>>>(args);
   return cudaGetLastError();
 }
@@ -702,7 +986,7 @@ template <bool kGated>
 cudaError_t LaunchFp8DecodeRows(const Fp8DecodeGemmArgs& args, int rows_per_pass, int64_t group_rows,
                                 cudaStream_t stream) {
   const int64_t bound = group_rows > 0 ? group_rows : rows_per_pass;
-  if (rows_per_pass == 16 && bound > 8 && Fp8Stages<kGated, 2>(args.k, 16) > 0)
+  if (rows_per_pass == 16 && bound > 8 && Fp8Fits<kGated, 2>(args.k, 16, Fp8UsesRing(args)))
     return LaunchFp8Decode<kGated, 2>(args, 16, stream);
   return LaunchFp8Decode<kGated, 1>(args, static_cast<int>(std::min<int64_t>(bound, 8)), stream);
 }
@@ -732,11 +1016,16 @@ cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream) {
 namespace jax_moe {
 
 cudaError_t LaunchFp8DecodeSwiglu(const Fp8DecodeSwigluArgs& args, cudaStream_t stream) {
+  const bool shared = args.shared_gate_up != nullptr;
   if (args.hidden % kFp8Block != 0 || args.ffn % kFp8Block != 0 || args.hidden > kFp8DecodeMaxK ||
       args.ffn > kFp8DecodeMaxK || args.num_groups < 1 || args.num_groups > 65535 || args.out_rows < 0 ||
-      args.out_rows > (int64_t{1} << 30) || (args.rows_per_pass != 8 && args.rows_per_pass != 16))
+      args.out_rows > (int64_t{1} << 30) || (args.rows_per_pass != 8 && args.rows_per_pass != 16) ||
+      2 * args.ffn * args.hidden >= (int64_t{1} << 31))  // the stream kernel's 32-bit offsets in an expert
     return cudaErrorInvalidValue;
-  if (args.out_rows == 0) return cudaSuccess;
+  if (shared && (args.shared_ffn % kFp8Block != 0 || args.shared_ffn < kFp8Block || args.shared_ffn > kFp8DecodeMaxK ||
+                 args.shared_count < 1 || args.shared_count > 16 || 2 * args.shared_ffn * args.hidden >= (int64_t{1} << 31)))
+    return cudaErrorInvalidValue;
+  if (args.out_rows == 0 && !shared) return cudaSuccess;
   Fp8DecodeGemmArgs gemm{};
   gemm.rows = static_cast<const Bf16*>(args.rows);
   gemm.weights = static_cast<const uint8_t*>(args.gate_up);
@@ -745,6 +1034,14 @@ cudaError_t LaunchFp8DecodeSwiglu(const Fp8DecodeSwigluArgs& args, cudaStream_t 
   gemm.out = static_cast<Bf16*>(args.activation);
   gemm.out_rows = args.out_rows, gemm.num_groups = args.num_groups, gemm.k = args.hidden, gemm.n = 2 * args.ffn;
   gemm.units_per_block = Fp8UnitsPerBlock(gemm.k / kFp8Block);
+  if (shared) {
+    gemm.shared_rows = static_cast<const Bf16*>(args.shared_x);
+    gemm.shared_weights = static_cast<const uint8_t*>(args.shared_gate_up);
+    gemm.shared_scale = args.shared_gate_up_scale;
+    gemm.shared_out = static_cast<Bf16*>(args.shared_activation);
+    gemm.shared_count = args.shared_count, gemm.shared_k = args.hidden, gemm.shared_n = 2 * args.shared_ffn;
+  }
+  // (The shared product stages up to a pass's rows of the routed launch at once: more take passes.)
   cudaError_t status = LaunchFp8DecodeRows<true>(gemm, args.rows_per_pass, args.group_rows, stream);
   if (status != cudaSuccess) return status;
   gemm.rows = static_cast<const Bf16*>(args.activation);
@@ -753,6 +1050,13 @@ cudaError_t LaunchFp8DecodeSwiglu(const Fp8DecodeSwigluArgs& args, cudaStream_t 
   gemm.out = static_cast<Bf16*>(args.out);
   gemm.k = args.ffn, gemm.n = args.hidden;
   gemm.units_per_block = Fp8UnitsPerBlock(gemm.k / kFp8Block);
+  if (shared) {
+    gemm.shared_rows = static_cast<const Bf16*>(args.shared_activation);
+    gemm.shared_weights = static_cast<const uint8_t*>(args.shared_down);
+    gemm.shared_scale = args.shared_down_scale;
+    gemm.shared_out = static_cast<Bf16*>(args.shared_out);
+    gemm.shared_k = args.shared_ffn, gemm.shared_n = args.hidden;
+  }
   return LaunchFp8DecodeRows<false>(gemm, args.rows_per_pass, args.group_rows, stream);
 }
 

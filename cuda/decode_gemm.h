@@ -48,6 +48,9 @@ cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream);
 // quantises its expert's rows into shared memory (the bytes of LaunchQuantizeRows) and feeds them
 // with the weights to mma.sync's m16n8k32 e4m3 product: weights as the 16-row A operand, up to
 // rows_per_pass rows as the B operand. No workspace, deterministic, rows in no group come out zero.
+// A shared expert (shared_gate_up non-null) streams in the same two launches as one more group owning
+// every row of shared_x; such launches run the register-streaming kernel (decode_gemm.cu), the same
+// bits as the ring kernel that launches of routed experts alone run.
 struct Fp8DecodeSwigluArgs {
   const void* rows;               // [>= out_rows, H] bf16, grouped by expert
   const void* gate_up;            // [El, 2F, H] float8_e4m3fn
@@ -60,6 +63,16 @@ struct Fp8DecodeSwigluArgs {
   int64_t out_rows, num_groups, hidden, ffn;  // H and F multiples of 128, at most kFp8DecodeMaxK
   int rows_per_pass;                          // 8 or 16: rows of an expert per pass over its weights
   int64_t group_rows;                         // the most rows one expert can own; 0: unknown
+  // Optional (shared_gate_up non-null): a shared expert's FP8 SwiGLU on shared_x in the same two
+  // launches, as one more group owning every row of shared_x (the same math as a call of its own).
+  const void* shared_x = nullptr;              // [shared_count, H] bf16
+  const void* shared_gate_up = nullptr;        // [2Fs, H] float8_e4m3fn
+  const float* shared_gate_up_scale = nullptr; // [2Fs / 128, H / 128]
+  const void* shared_down = nullptr;           // [H, Fs] float8_e4m3fn
+  const float* shared_down_scale = nullptr;    // [H / 128, Fs / 128]
+  void* shared_activation = nullptr;           // [shared_count, Fs] bf16 (a temporary)
+  void* shared_out = nullptr;                  // [shared_count, H] bf16
+  int64_t shared_count = 0, shared_ffn = 0;    // shared_count from 1 to 16, Fs a multiple of 128
 };
 
 constexpr int64_t kFp8DecodeMaxK = 16384;  // the rows of a pass are staged whole in shared memory

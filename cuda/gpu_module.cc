@@ -28,6 +28,7 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
     handlers["jax_moe_fp8_grouped_matmul"] = Capsule(JaxMoeFp8GroupedMatmulCuda);
     handlers["jax_moe_fp8_swiglu_experts"] = Capsule(JaxMoeFp8SwigluExpertsCuda);
     handlers["jax_moe_fp8_decode_swiglu"] = Capsule(JaxMoeFp8DecodeSwigluCuda);
+    handlers["jax_moe_fp8_decode_swiglu_shared"] = Capsule(JaxMoeFp8DecodeSwigluSharedCuda);
     handlers["jax_moe_swiglu_backward"] = Capsule(JaxMoeSwigluBackwardCuda);
     handlers["jax_moe_bench_noop"] = Capsule(JaxMoeNoopCuda);
     handlers["jax_moe_bench_copy"] = Capsule(JaxMoeCopyCuda);

@@ -17,6 +17,7 @@ XLA_FFI_Error* JaxMoeDecodeRouteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8GroupedMatmulCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8SwigluExpertsCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8DecodeSwigluCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeFp8DecodeSwigluSharedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeSwigluBackwardCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeNoopCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeCopyCuda(XLA_FFI_CallFrame* call_frame);

@@ -19,6 +19,7 @@ DECODE_ROUTE_TARGET = "jax_moe_decode_route"  # CUDA only
 FP8_GROUPED_MATMUL_TARGET = "jax_moe_fp8_grouped_matmul"  # CUDA only
 FP8_SWIGLU_EXPERTS_TARGET = "jax_moe_fp8_swiglu_experts"  # CUDA only
 FP8_DECODE_SWIGLU_TARGET = "jax_moe_fp8_decode_swiglu"  # CUDA only
+FP8_DECODE_SWIGLU_SHARED_TARGET = "jax_moe_fp8_decode_swiglu_shared"  # CUDA only
 SWIGLU_BACKWARD_TARGET = "jax_moe_swiglu_backward"  # CUDA only
 UNINITIALIZED_TARGET = "jax_moe_uninitialized"
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import fp8, gemm
+from jax_moe import _native, fp8, gemm
 from jax_moe.gemm import gated_silu
 from jax_moe.ops import read_from
 from jax_moe.routing import dot_f32
@@ -392,6 +392,52 @@ def swiglu_experts_fp8(layer_params: dict, scratch: MoEScratch, num_tokens: int)
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
 
 
+def fp8_shared_rides_decode(layer_params: dict, x, num_rows: int, num_groups: int) -> bool:
+    """Whether an FP8 shared expert streams in the FP8 routed experts' decode launches
+    (``gemm.fp8_decode_swiglu_with_shared``): both FP8, the routed experts on the decode kernel
+    (``gemm.fp8_decode_rows``), a GPU, bf16 tokens, at most ``gemm.FP8_DECODE_MAX_SHARED_ROWS``."""
+    if not (SHARED_IN_DECODE_LAUNCH and "shared_gate_up" in layer_params and fp8.is_quantized(layer_params)
+            and fp8.shared_is_quantized(layer_params)):
+        return False
+    hidden, ffn, shared_ffn = x.shape[-1], fp8.ffn_size(layer_params), layer_params["shared_down"].shape[-1]
+    return (jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16 and _native.HAS_CUDA
+            and x.shape[0] <= gemm.FP8_DECODE_MAX_SHARED_ROWS and shared_ffn % fp8.BLOCK == 0
+            and shared_ffn <= gemm.FP8_DECODE_MAX_K
+            and gemm.fp8_decode_rows(num_rows, num_groups, hidden, ffn) != 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12))
+def _fp8_experts_with_shared(rows, gate_up, gate_up_scale, down, down_scale, offsets, x, shared_gate_up,
+                             shared_gate_up_scale, shared_down, shared_down_scale, num_rows, group_rows):
+    """``(routed [num_rows, H], shared [T, H])``: ``gemm.fp8_decode_swiglu_with_shared``,
+    differentiable in rows and x as ``_fp8_experts``."""
+    return gemm.fp8_decode_swiglu_with_shared(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, x,
+                                              shared_gate_up, shared_gate_up_scale, shared_down, shared_down_scale,
+                                              group_rows)
+
+
+def _fp8_experts_with_shared_fwd(rows, gate_up, gate_up_scale, down, down_scale, offsets, x, shared_gate_up,
+                                 shared_gate_up_scale, shared_down, shared_down_scale, num_rows, group_rows):
+    out = _fp8_experts_with_shared(rows, gate_up, gate_up_scale, down, down_scale, offsets, x, shared_gate_up,
+                                   shared_gate_up_scale, shared_down, shared_down_scale, num_rows, group_rows)
+    routed = (rows[:num_rows], gate_up, gate_up_scale, down, down_scale, offsets,
+              jnp.zeros((rows.shape[0], 0), rows.dtype))
+    shared = (x, *(leaf[None] for leaf in (shared_gate_up, shared_gate_up_scale, shared_down, shared_down_scale)),
+              jnp.array([0, x.shape[0]], jnp.int32), jnp.zeros((x.shape[0], 0), x.dtype))
+    return out, (routed, shared)
+
+
+def _fp8_experts_with_shared_bwd(num_rows, group_rows, residuals, cotangents):
+    routed, shared = residuals
+    d_out, d_shared = cotangents
+    d_rows = _fp8_experts_bwd(num_rows, group_rows, routed, (d_out, None))[0]
+    d_x = _fp8_experts_bwd(shared[0].shape[0], shared[0].shape[0], shared, (d_shared, None))[0]
+    return (d_rows, None, None, None, None, None, d_x, None, None, None, None)
+
+
+_fp8_experts_with_shared.defvjp(_fp8_experts_with_shared_fwd, _fp8_experts_with_shared_bwd)
+
+
 def run_experts_and_shared(expert_fn: ExpertFn | None, layer_params: dict, scratch: MoEScratch, tokens: jax.Array):
     """``run_experts`` and ``shared_experts(layer_params, tokens)`` for tokens [T, H]: ``(rows_out,
     shared [T, H] or None, scratch)``. The shared expert streams in the routed experts' decode
@@ -405,6 +451,11 @@ def run_experts_and_shared(expert_fn: ExpertFn | None, layer_params: dict, scrat
                                                                scratch.workspace, num_rows, group_rows, layer_params,
                                                                tokens)
             return out, shared, scratch.replace(workspace=lax.stop_gradient(workspace))
+        if fp8_shared_rides_decode(layer_params, tokens, num_rows, config.num_local_experts):
+            out, shared = _fp8_experts_with_shared(
+                scratch.permuted, *_fp8_leaves(layer_params, fp8.QUANTIZED_NAMES), scratch.expert_offsets, tokens,
+                *_fp8_leaves(layer_params, fp8.SHARED_QUANTIZED_NAMES), num_rows, group_rows)
+            return out, _gate_shared(layer_params, tokens, shared), scratch
     rows_out, scratch = run_experts(expert_fn, layer_params, scratch, num_tokens)
     return rows_out, shared_experts(layer_params, tokens), scratch
 

@@ -559,6 +559,7 @@ def fp8_dequantized_matmul(rows, weights_nk, scale_nk, offsets, num_rows: int):
 # MB, 50 vs 65; Qwen3-30B's at T = 1, 22 vs 33, and at T = 16, 382 MB, 124 vs 123; DeepSeek-V3's
 # shared expert at T = 1, 44 MB, 24 vs 44, at T = 4, 32 vs 44, at T = 16, 75 vs 44
 # (notebooks/results/fp8_decode_staged_rows_h200.md, python -m jax_moe.bench.fp8_decode_probe).
+# A shared expert then streams in the same launches (fp8_decode_swiglu_with_shared).
 FP8_DECODE_MAX_ROWS_PER_EXPERT = 4.0
 FP8_DECODE_MAX_BYTES = 360e6
 FP8_DECODE_MAX_K = 16384
@@ -670,6 +671,62 @@ def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, 
 
     operands = (rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace)
     if rows.dtype != jnp.bfloat16:  # (H and F are multiples of 128: checked above)
+        return fallback(*operands)
+    return _on_cuda(native, fallback, *operands)
+
+
+FP8_DECODE_MAX_SHARED_ROWS = 16  # tokens a shared expert takes in the decode kernel's launches
+
+
+def fp8_decode_swiglu_with_shared(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows: int, x,
+                                  shared_gate_up, shared_gate_up_scale, shared_down, shared_down_scale,
+                                  group_rows: int | None = None):
+    """``fp8_swiglu_forward`` on the FP8 decode kernel (8 rows a pass) with a shared expert's FP8
+    SwiGLU on the tokens x [T, H] streaming in the same two launches, as one more group owning
+    every row of x: ``(routed [num_rows, H], shared [T, H])``, both bf16, each the same bits as a
+    call of its own. The shared weights are [2Fs, H] and [H, Fs] float8_e4m3fn with their
+    [out/128, in/128] float32 scales (``fp8.SHARED_QUANTIZED_NAMES``); T from 1 to
+    FP8_DECODE_MAX_SHARED_ROWS. Off CUDA, both on ``fp8_swiglu_dequantized``. No autodiff rule."""
+    op = "fp8_decode_swiglu_with_shared"
+    _check_fp8_forward(rows, gate_up, gate_up_scale, offsets, num_rows, op, ("rows", "gate_up", "gate_up_scale"))
+    hidden_size, ffn_size = rows.shape[1], jnp.shape(down)[-1]
+    num_tokens = x.shape[0] if x.ndim == 2 else 0
+    if x.ndim != 2 or x.shape[1] != hidden_size or x.dtype != rows.dtype or not 1 <= num_tokens <= FP8_DECODE_MAX_SHARED_ROWS:
+        raise ValueError(f"{op}: x: expected [T, H={hidden_size}] of the rows' dtype {rows.dtype} with T from 1 to "
+                         f"{FP8_DECODE_MAX_SHARED_ROWS}, got {x.dtype}{list(x.shape)}")
+    shared_ffn = jnp.shape(shared_down)[-1]
+    want = {"shared_gate_up": (2 * shared_ffn, hidden_size), "shared_down": (hidden_size, shared_ffn)}
+    for name, leaf, scale in (("shared_gate_up", shared_gate_up, shared_gate_up_scale),
+                              ("shared_down", shared_down, shared_down_scale)):
+        if jnp.shape(leaf) != want[name] or leaf.dtype != fp8.FP8:
+            raise ValueError(f"{op}: {name}: expected float8_e4m3fn{list(want[name])}, got "
+                             f"{leaf.dtype}{list(jnp.shape(leaf))}")
+        blocks = tuple(fp8.num_blocks(d) for d in want[name])
+        if jnp.shape(scale) != blocks or scale.dtype != jnp.float32:
+            raise ValueError(f"{op}: {name}_scale: expected float32{list(blocks)}, got {scale.dtype}{list(jnp.shape(scale))}")
+    if max(hidden_size, ffn_size, shared_ffn) > FP8_DECODE_MAX_K or shared_ffn % fp8.BLOCK:
+        raise ValueError(f"{op}: expected H, F and Fs multiples of {fp8.BLOCK} up to {FP8_DECODE_MAX_K}, got "
+                         f"H={hidden_size}, F={ffn_size}, Fs={shared_ffn}")
+    shared_offsets = jnp.array([0, num_tokens], jnp.int32)
+    shared = tuple(leaf[None] for leaf in (shared_gate_up, shared_gate_up_scale, shared_down, shared_down_scale))
+
+    def fallback(*operands):
+        return (fp8_swiglu_dequantized(*operands[:6], num_rows),
+                fp8_swiglu_dequantized(operands[6], *operands[7:], shared_offsets, num_tokens))
+
+    def native(*operands):
+        call = jax.ffi.ffi_call(_native.FP8_DECODE_SWIGLU_SHARED_TARGET,
+                                (jax.ShapeDtypeStruct((num_rows, hidden_size), rows.dtype),
+                                 jax.ShapeDtypeStruct((num_rows, ffn_size), rows.dtype),
+                                 jax.ShapeDtypeStruct((num_tokens, hidden_size), rows.dtype),
+                                 jax.ShapeDtypeStruct((num_tokens, shared_ffn), rows.dtype)),
+                                vmap_method="sequential")
+        out, _, shared_out, _ = fence_results(call(*operands[:7], *(leaf[0] for leaf in operands[7:]),
+                                                   rows_per_pass=np.int64(8), group_rows=np.int64(group_rows or 0)))
+        return out, shared_out
+
+    operands = (rows, gate_up, gate_up_scale, down, down_scale, offsets, x, *shared)
+    if rows.dtype != jnp.bfloat16:
         return fallback(*operands)
     return _on_cuda(native, fallback, *operands)
 

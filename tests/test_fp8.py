@@ -223,9 +223,12 @@ def test_gpu_fp8_stack_matches_the_cpu_fp8_stack(num_tokens):
     # FP8 decode kernel's for small reads (gemm.fp8_decode_rows), else the CUTLASS GEMMs'.
     decode = [bool(gemm.fp8_decode_rows(rows, groups, 256, 128))
               for rows, groups in ((config.live_row_bound(num_tokens), 16), (num_tokens, 1))]
-    assert hlo.count('custom_call_target="jax_moe_fp8_decode_swiglu"') == sum(decode)
-    assert hlo.count('custom_call_target="jax_moe_fp8_swiglu_experts"') == 2 - sum(decode)
     assert decode == [num_tokens <= 8, num_tokens == 1]  # T = 8: 8 rows of the shared expert take CUTLASS
+    # With the routed experts on the decode kernel, the shared expert rides in their launches.
+    rides = decode[0] and num_tokens <= gemm.FP8_DECODE_MAX_SHARED_ROWS
+    assert hlo.count('custom_call_target="jax_moe_fp8_decode_swiglu_shared"') == rides
+    assert hlo.count('custom_call_target="jax_moe_fp8_decode_swiglu"') == (0 if rides else sum(decode))
+    assert hlo.count('custom_call_target="jax_moe_fp8_swiglu_experts"') == (0 if rides else 2 - sum(decode))
     got = np.asarray(_on("gpu", run, params, x, init_scratch(config)), np.float32)
     want = np.asarray(_on("cpu", run, params, x, init_scratch(config)), np.float32)
     assert np.linalg.norm(got - want) <= 0.03 * np.linalg.norm(want)
@@ -563,3 +566,109 @@ def test_fp8_swiglu_forward_rejects_a_bad_decode_rows():
     with pytest.raises(ValueError, match=re.escape("fp8_swiglu_forward: decode_rows: expected 0 (the CUTLASS GEMMs), "
                                                    "one of (8, 16)")):
         gemm.fp8_swiglu_forward(rows, *gu, *dn, offsets, ws, 4, decode_rows=4)
+
+
+RIDING_SHAPES = [(7168, 2048, 2048, 16, 8, 1), (7168, 2048, 2048, 16, 8, 2), (256, 384, 256, 8, 2, 16),
+                 (256, 384, 640, 4, 1, 5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,ffn,shared_ffn,num_experts,top_k,num_tokens", RIDING_SHAPES,
+                         ids=[f"H{h}-F{f}-Fs{s}-E{e}-k{k}-T{t}" for h, f, s, e, k, t in RIDING_SHAPES])
+def test_gpu_fp8_shared_expert_rides_the_decode_launches_bitwise(hidden, ffn, shared_ffn, num_experts, top_k,
+                                                                 num_tokens):
+    """The shared expert in the routed experts' FP8 decode launches: both results the same bits as
+    their calls apart (DeepSeek-V3's sizes at T = 1 and 2; Fs below and above F; 16 tokens, two
+    passes of 8 shared rows)."""
+    config = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden, max_tokens=num_tokens, dtype=BF16)
+    scratch = routed_scratch(config, num_tokens)
+    keys = jax.random.split(jax.random.key(11), 5)
+    quantize = jax.jit(fp8.quantize)
+    gu = quantize(jax.random.normal(keys[0], (num_experts, 2 * ffn, hidden)) / np.sqrt(hidden))
+    dn = quantize(jax.random.normal(keys[1], (num_experts, hidden, ffn)) / np.sqrt(ffn))
+    sgu = quantize(jax.random.normal(keys[2], (2 * shared_ffn, hidden)) / np.sqrt(hidden))
+    sdn = quantize(jax.random.normal(keys[3], (hidden, shared_ffn)) / np.sqrt(shared_ffn))
+    x = jax.random.normal(keys[4], (num_tokens, hidden)).astype(BF16)
+    num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
+    rows, offsets = scratch.permuted, scratch.expert_offsets
+    both = jax.jit(lambda *a: gemm.fp8_decode_swiglu_with_shared(*a[:6], num_rows, *a[6:], group_rows=group_rows))
+    routed, shared = both(rows, *gu, *dn, offsets, x, *sgu, *sdn)
+    alone = jax.jit(lambda r, g, gs, d, ds, o, n, gr: gemm._fp8_decode_swiglu_call(r, g, gs, d, ds, o, n, 8, gr)[0],
+                    static_argnums=(6, 7))
+    want_routed = alone(rows, *gu, *dn, offsets, num_rows, group_rows)
+    want_shared = alone(x, *(leaf[None] for leaf in (*sgu, *sdn)), jnp.array([0, num_tokens], jnp.int32),
+                        num_tokens, num_tokens)
+    np.testing.assert_array_equal(np.asarray(routed.view(jnp.uint16)), np.asarray(want_routed.view(jnp.uint16)))
+    np.testing.assert_array_equal(np.asarray(shared.view(jnp.uint16)), np.asarray(want_shared.view(jnp.uint16)))
+    assert np.abs(np.asarray(shared, np.float32)).max() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_gpu_fp8_layer_with_the_shared_expert_riding_is_the_layer_without(num_tokens, monkeypatch):
+    """moe_layer with FP8 experts and shared expert (and Qwen's shared gate) at decode: the same
+    bits whether the shared expert rides the routed launches or runs a call of its own."""
+    config = MoEConfig(num_experts=8, top_k=2, hidden_size=256, max_tokens=num_tokens, dtype=BF16)
+    params = fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(0), config, 1, 128, shared_ffn_size=256,
+                                                        shared_gate=True))
+    layer = jax.tree.map(lambda a: a[0], params)
+    x = jax.random.normal(jax.random.key(1), (num_tokens, 256)).astype(BF16)
+    outs = []
+    for rides in (True, False):
+        monkeypatch.setattr(experts, "SHARED_IN_DECODE_LAUNCH", rides)  # read when the layer is traced
+        run = lambda p, x, s: jax_moe.moe_layer(p, x, s)[0]  # a new function: traced again
+        hlo = jax.jit(run).lower(layer, x, init_scratch(config)).compile().as_text()
+        assert hlo.count('custom_call_target="jax_moe_fp8_decode_swiglu_shared"') == rides
+        outs.append(np.asarray(jax.jit(run)(layer, x, init_scratch(config)).view(jnp.uint16)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_fp8_decode_swiglu_with_shared_names_bad_operands():
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=256, max_tokens=2, dtype=BF16)
+    scratch = init_scratch(config)
+    gu = fp8.quantize(jnp.ones((4, 256, 256)))
+    dn = fp8.quantize(jnp.ones((4, 256, 128)))
+    sgu, sdn = fp8.quantize(jnp.ones((256, 256))), fp8.quantize(jnp.ones((256, 128)))
+    x = jnp.ones((2, 256), BF16)
+    call = lambda x=x, sgu=sgu, sdn=sdn: gemm.fp8_decode_swiglu_with_shared(
+        scratch.permuted, *gu, *dn, scratch.expert_offsets, 4, x, *sgu, *sdn)
+    with pytest.raises(ValueError, match=re.escape("fp8_decode_swiglu_with_shared: x: expected [T, H=256] of the rows' "
+                                                   "dtype bfloat16 with T from 1 to 16, got bfloat16[17, 256]")):
+        call(x=jnp.ones((17, 256), BF16))
+    with pytest.raises(ValueError, match=re.escape("shared_down: expected float8_e4m3fn[256, 128], got "
+                                                   "float8_e4m3fn[128, 128]")):
+        call(sdn=(sdn[0][:128], sdn[1][:1]))
+    with pytest.raises(ValueError, match=re.escape("shared_gate_up_scale: expected float32[2, 2], got float32[1, 2]")):
+        call(sgu=(sgu[0], sgu[1][:1]))
+    routed, shared = call()  # off the GPU: the dequantised math, both shapes right
+    assert routed.shape == (4, 256) and shared.shape == (2, 256)
+
+
+def test_fp8_experts_with_shared_differentiate_as_the_two_calls():
+    """The riding call's gradients in the rows and in x are the two calls' apart (off the GPU the
+    forward is the dequantised math; the backward is the same code on every device)."""
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=256, max_tokens=3, dtype=BF16)
+    scratch = routed_scratch(config, 3)
+    keys = jax.random.split(jax.random.key(5), 5)
+    gu = fp8.quantize(jax.random.normal(keys[0], (4, 256, 256)) / 16)
+    dn = fp8.quantize(jax.random.normal(keys[1], (4, 256, 128)) / 16)
+    sgu, sdn = fp8.quantize(jax.random.normal(keys[2], (512, 256)) / 16), fp8.quantize(jax.random.normal(keys[3], (256, 256)) / 16)
+    x = jax.random.normal(keys[4], (3, 256)).astype(BF16)
+    num_rows, group_rows = config.live_row_bound(3), config.group_row_bound(3)
+    offsets, workspace = scratch.expert_offsets, scratch.workspace
+
+    def riding(rows, x):
+        out, shared = experts._fp8_experts_with_shared(rows, *gu, *dn, offsets, x, *sgu, *sdn, num_rows, group_rows)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(shared.astype(jnp.float32) ** 3)
+
+    def apart(rows, x):
+        out = experts._fp8_experts(rows, *gu, *dn, offsets, num_rows, group_rows, workspace)[0]
+        shared = experts._fp8_experts(x, *(leaf[None] for leaf in (*sgu, *sdn)), jnp.array([0, 3], jnp.int32), 3, 3,
+                                      gemm.fp8_workspace(1))[0]
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(shared.astype(jnp.float32) ** 3)
+
+    got = jax.jit(jax.grad(riding, argnums=(0, 1)))(scratch.permuted, x)
+    want = jax.jit(jax.grad(apart, argnums=(0, 1)))(scratch.permuted, x)
+    for g, w in zip(got, want):
+        assert np.abs(np.asarray(w, np.float32)).max() > 0
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
