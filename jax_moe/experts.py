@@ -392,6 +392,11 @@ def swiglu_experts_fp8(layer_params: dict, scratch: MoEScratch, num_tokens: int)
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
 
 
+def _on_fp8_decode_device(x) -> bool:
+    """Where the FP8 decode kernel can run: a GPU, the CUDA module, bf16 tokens."""
+    return jax.default_backend() == "gpu" and _native.HAS_CUDA and x.dtype == jnp.bfloat16
+
+
 def fp8_shared_rides_decode(layer_params: dict, x, num_rows: int, num_groups: int) -> bool:
     """Whether an FP8 shared expert streams in the FP8 routed experts' decode launches
     (``gemm.fp8_decode_swiglu_with_shared``): both FP8, the routed experts on the decode kernel
@@ -400,8 +405,7 @@ def fp8_shared_rides_decode(layer_params: dict, x, num_rows: int, num_groups: in
             and fp8.shared_is_quantized(layer_params)):
         return False
     hidden, ffn, shared_ffn = x.shape[-1], fp8.ffn_size(layer_params), layer_params["shared_down"].shape[-1]
-    return (jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16 and _native.HAS_CUDA
-            and x.shape[0] <= gemm.FP8_DECODE_MAX_SHARED_ROWS and shared_ffn % fp8.BLOCK == 0
+    return (_on_fp8_decode_device(x) and x.shape[0] <= gemm.FP8_DECODE_MAX_SHARED_ROWS and shared_ffn % fp8.BLOCK == 0
             and shared_ffn <= gemm.FP8_DECODE_MAX_K
             and gemm.fp8_decode_rows(num_rows, num_groups, hidden, ffn) != 0)
 

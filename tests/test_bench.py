@@ -16,6 +16,7 @@ import pytest
 
 import jax.numpy as jnp
 
+from jax_moe import MoEConfig, fp8, init_moe_params
 from jax_moe.bench import cli, decode_suite, gemm_suite, permute_suite, report, stack_suite, timing, train_suite
 from jax_moe.bench.models import MODELS
 
@@ -232,6 +233,24 @@ def test_decode_suite_shared_apart_variant_switches_off_the_shared_launch(monkey
     assert experts.shared_rides_decode(layer, jnp.zeros((1, 4)), gemm.DECODE_TILE)  # restored
 
 
+def test_decode_suite_fp8_shared_apart_variant_switches_off_the_fp8_shared_ride(monkeypatch):
+    """`jax_moe/fp8-shared-apart` must run an FP8 shared expert in a call of its own where the
+    shipped path streams it in the routed experts' FP8 decode launches (a GPU's pick, forced here)."""
+    from jax_moe import experts
+    monkeypatch.setattr(experts, "_on_fp8_decode_device", lambda x: True)
+    config = MoEConfig(num_experts=8, top_k=2, hidden_size=256, max_tokens=1)
+    params = fp8.quantize_params(init_moe_params(jax.random.key(0), config, 1, 128, shared_ffn_size=128))
+    layer = jax.tree.map(lambda a: a[0], params)
+    rides = lambda: experts.fp8_shared_rides_decode(layer, jnp.zeros((1, 256), jnp.bfloat16), 2, 8)
+    assert rides()
+    with decode_suite.shared_in_decode_launch(False):
+        assert not rides()
+    assert rides()  # restored
+    without_shared = {k: v for k, v in layer.items() if not k.startswith("shared_")}
+    assert not experts.fp8_shared_rides_decode(without_shared, jnp.zeros((1, 256), jnp.bfloat16), 2, 8)
+    assert not experts.fp8_shared_rides_decode(layer, jnp.zeros((17, 256), jnp.bfloat16), 34, 8)  # T > 16
+
+
 def test_decode_suite_times_fp8_experts_against_their_own_roofline():
     model = dataclasses.replace(TINY, name="tiny128", label="tiny 128", hidden_size=128, ffn_size=128)
     rows, _ = decode_suite.run([model], (2,), timing.Clock(), 1, with_peer=False)
@@ -247,6 +266,7 @@ def test_decode_suite_times_fp8_experts_against_their_own_roofline():
     assert _close(bf16["bytes_per_layer"] - fp8_row["bytes_per_layer"], saved)
     assert _close(fp8_row["pct_roofline"], 100 * fp8_row["roofline_us"] / fp8_row["us_per_layer"])
     assert "FP8 vs bf16" in decode_suite.table(rows) and "FP8 CUTLASS path" in decode_suite.table(rows)
+    assert "FP8 shared apart" in decode_suite.table(rows)
 
 
 def test_measure_isolated_keeps_rows_and_notes_a_failure():

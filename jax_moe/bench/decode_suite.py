@@ -13,6 +13,8 @@ scratch donated and threaded step to step, routing by each layer's own router), 
   multiples of 128, against its own roofline (the experts' FP8 bytes and scales);
 - ``jax_moe/fp8-cutlass``: that step with the FP8 decode kernel switched off (both projections on
   CUTLASS's FP8 grouped GEMM), the FP8 crossover measured in the same run;
+- ``jax_moe/fp8-shared-apart`` (where an FP8 shared expert rides the FP8 decode launches,
+  ``experts.fp8_shared_rides_decode``): the FP8 step with the shared expert in a call of its own;
 - the PyTorch + Hugging Face peer: L transformers ``Qwen3MoeSparseMoeBlock``s (torch grouped_mm)
   in the same residual stack, the forward captured in one CUDA graph, its own process.
 
@@ -49,6 +51,7 @@ VARIANTS = ("jax_moe", "jax_moe/cutlass")
 SHARED_APART = "jax_moe/shared-apart"
 FP8_VARIANT = "jax_moe/fp8"
 FP8_VARIANTS = (FP8_VARIANT, "jax_moe/fp8-cutlass")
+FP8_SHARED_APART = "jax_moe/fp8-shared-apart"
 METHOD = ("Per layer = back-to-back step time / L (" + timing.STEP_METHOD + "). Roofline = (bytes of the "
           "experts owning rows, counted from the step's routing and averaged over layers, + shared expert "
           "+ router) / copy rate of the same run. Peer: transformers Qwen3MoeSparseMoeBlock stack with torch "
@@ -180,12 +183,14 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
     if model.hidden_size % fp8.BLOCK == 0 and model.ffn_size % fp8.BLOCK == 0:
         # The same draws quantised (so the same routing), built after the bf16 stack is freed.
         params = init_stack_params(*stack_args, fp8=True, **model.param_options())
+        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
         for tokens, (config, x) in inputs.items():
             bytes_read = layer_bytes(model, params, bases[tokens]["active_experts"])
-            for variant in FP8_VARIANTS:
+            rides = experts.fp8_shared_rides_decode(layer, x, config.live_row_bound(tokens), config.num_local_experts)
+            for variant in FP8_VARIANTS + ((FP8_SHARED_APART,) if rides else ()):
                 rows.append(row := {**bases[tokens], "impl": variant, "bytes_per_layer": bytes_read,
                                     "roofline_us": roofline(bytes_read)})
-                with fp8_decode_kernel(variant == FP8_VARIANT):
+                with fp8_decode_kernel(variant != FP8_VARIANTS[1]), shared_in_decode_launch(variant != FP8_SHARED_APART):
                     _time_step(params, x, config, layers, row)
             _log(clock, rows, model, tokens)
         del params
@@ -233,12 +238,13 @@ def table(rows: list[dict]) -> str:
             r = by.get(impl, {})
             line += [fmt_us(r.get("us_per_layer")), fmt_pct(r.get("pct_roofline"))]
         ours, peer, fp8_row = by.get("jax_moe", {}), by.get("peer", {}), by.get(FP8_VARIANT, {})
-        fp8_cutlass = by.get(FP8_VARIANTS[1], {})
+        fp8_cutlass, fp8_apart = by.get(FP8_VARIANTS[1], {}), by.get(FP8_SHARED_APART, {})
         line.append(f"{peer['us_per_layer'] / ours['us_per_layer']:.2f}x"
                     if ours.get("us_per_layer") and peer.get("us_per_layer") else "–")
         line += [fmt_us(fp8_row.get("roofline_us")), fmt_us(fp8_row.get("us_per_layer")),
                  fmt_pct(fp8_row.get("pct_roofline")), fmt_us(fp8_cutlass.get("us_per_layer")),
-                 fmt_pct(fp8_cutlass.get("pct_roofline")),
+                 fmt_pct(fp8_cutlass.get("pct_roofline")), fmt_us(fp8_apart.get("us_per_layer")),
+                 fmt_pct(fp8_apart.get("pct_roofline")),
                  f"{ours['us_per_layer'] / fp8_row['us_per_layer']:.2f}x"
                  if ours.get("us_per_layer") and fp8_row.get("us_per_layer") else "–"]
         lines.append(line)
@@ -246,7 +252,7 @@ def table(rows: list[dict]) -> str:
                      "CUTLASS path µs", "% roofline", "shared expert apart µs", "% roofline",
                      "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
                      "FP8 roofline µs", "FP8 µs", "% FP8 roofline", "FP8 CUTLASS path µs", "% FP8 roofline",
-                     "FP8 vs bf16"], lines)
+                     "FP8 shared apart µs", "% FP8 roofline", "FP8 vs bf16"], lines)
 
 
 def markdown(record: dict) -> str:
