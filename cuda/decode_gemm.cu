@@ -673,7 +673,8 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
 // kDepth K blocks of its tiles in flight in registers (gated: 2 blocks of 8 16-byte loads a lane;
 // down: 4 of 4), reloading a buffer as soon as its product is taken, across runs too, so its loads
 // never drain between runs. The K blocks, their order and every sum are the ring kernel's: the same
-// bits. Shared memory holds only the staged rows, so more blocks fit an SM.
+// bits. Shared memory holds only the staged rows; registers hold the loads in flight (one block an
+// SM of up to 255 a thread: at 128, two blocks an SM, the buffers spilled to local memory).
 __device__ __forceinline__ uint4 LoadWeights16(const uint8_t* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -701,7 +702,7 @@ struct Fp8Segment {
 };
 
 template <bool kGated, int kSlices, int kDepth>
-__device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, const Fp8DecodeGemmArgs& p, uint8_t* staged,
+__device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, uint8_t* staged,
                                                  Fp8Partial<kGated, kSlices>& partial) {
   constexpr int kTiles = kGated ? 2 : 1;
   const int64_t k = s.k, n = s.n, blocks_k = k / kFp8Block;
@@ -764,7 +765,6 @@ __device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, const Fp8D
     }
   };
 
-
   for (int first = 0; first < s.group_rows; first += pass_rows) {
     const int rows_now = min(pass_rows, s.group_rows - first);
     Fp8Fragments<kTiles> buffer[kDepth];
@@ -795,9 +795,10 @@ __device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, const Fp8D
   }
 }
 
-// The stream kernel, persistent: block b takes runs [b, b + 1) * units_per_cta of the flat
-// schedule (Fp8DecodeGemmArgs), one segment per slot it meets: every SM streams about the same
-// bytes whatever the experts' count and sizes, and a shared expert rides in the same launch.
+// The stream kernel. Block b takes a range of the schedule's runs (Fp8DecodeGemmArgs): with a
+// shared product, runs [b, b + 1) * units_per_cta of the flat schedule, one segment per slot it
+// meets, so every SM streams about the same bytes and the shared expert rides in the same launch;
+// without, a chunk of one slot's runs, as the ring kernel's grid.
 template <bool kGated, int kSlices, int kDepth>
 __global__ void __launch_bounds__(kThreads, 1) Fp8StreamKernel(Fp8DecodeGemmArgs p) {
   extern __shared__ __align__(16) uint8_t staged[];
@@ -845,7 +846,7 @@ __global__ void __launch_bounds__(kThreads, 1) Fp8StreamKernel(Fp8DecodeGemmArgs
       s.units_per_block = p.shared_units_per_block, s.pass_rows = p.shared_pass_rows;
       s.group_rows = static_cast<int>(p.shared_count);
     }
-    Fp8StreamSegment<kGated, kSlices, kDepth>(s, p, staged, partial);
+    Fp8StreamSegment<kGated, kSlices, kDepth>(s, staged, partial);
   }
 }
 
