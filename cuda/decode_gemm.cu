@@ -490,6 +490,15 @@ __device__ void StageFp8Rows(const Bf16* x, int rows_now, int64_t k, uint8_t* st
   }
 }
 
+// Rows past the live count are in no group: zero out columns [col0, col0 + cols) of them (the down
+// product's blocks of slot 0, each its own columns). Whole block.
+__device__ void ZeroFp8RowsPastLive(const Fp8DecodeGemmArgs& p, int64_t col0, int64_t cols) {
+  const int out_rows = static_cast<int>(p.out_rows);
+  const int live = Clamp(p.expert_offsets[p.num_groups], 0, out_rows);
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(out_rows - live) * cols; i += kThreads)
+    p.out[(live + i / cols) * p.n + col0 + i % cols] = __float2bfloat16_rn(0.0f);
+}
+
 // One K block of a warp's tiles: sum[q][sl] += (tile q's 16 x 128 weights a[q] against staged rows
 // sl * 8 .. sl * 8 + 7) * w_scale[q] * row_scale, in C-fragment layout (MmaBlock).
 template <int kTiles, int kSlices>
@@ -589,14 +598,10 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
   auto tile_of = [&](int j) { return (static_cast<int64_t>(blockIdx.x) * runs + j) * p.units_per_block + unit; };
   const int64_t block_begin = part * blocks_k / warps_per_unit, block_end = (part + 1) * blocks_k / warps_per_unit;
 
-  // Rows past the live count are in no group: zero them (slot 0's blocks, their own columns).
   if (!kGated && blockIdx.y == 0) {
-    const int live = Clamp(p.expert_offsets[p.num_groups], 0, out_rows);
     const int64_t span = static_cast<int64_t>(runs) * p.units_per_block * kFp8TileRows;
     const int64_t col0 = static_cast<int64_t>(blockIdx.x) * span;
-    const int64_t cols = n - col0 < span ? n - col0 : span;
-    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(out_rows - live) * cols; i += kThreads)
-      p.out[(live + i / cols) * n + col0 + i % cols] = __float2bfloat16_rn(0.0f);
+    ZeroFp8RowsPastLive(p, col0, n - col0 < span ? n - col0 : span);
   }
   const Group group = FindGroup(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, blockIdx.y);
   if (group.index < 0) return;
@@ -823,11 +828,9 @@ __global__ void __launch_bounds__(kThreads, 1) Fp8StreamKernel(Fp8DecodeGemmArgs
       s.runs = static_cast<int>(min(end, (slot + 1) * p.runs_per_slot) - u);
       u += s.runs;
       const int64_t n = p.n, span = p.units_per_block * kFp8TileRows;
-      if (!kGated && slot == 0) {  // rows past the live count are in no group: zero them, these columns
-        const int live = Clamp(p.expert_offsets[p.num_groups], 0, out_rows);
-        const int64_t col0 = s.first_run * span, cols = min(n, (s.first_run + s.runs) * span) - col0;
-        for (int64_t i = threadIdx.x; i < static_cast<int64_t>(out_rows - live) * cols; i += kThreads)
-          p.out[(live + i / cols) * n + col0 + i % cols] = __float2bfloat16_rn(0.0f);
+      if (!kGated && slot == 0) {
+        const int64_t col0 = s.first_run * span;
+        ZeroFp8RowsPastLive(p, col0, min(n, (s.first_run + s.runs) * span) - col0);
       }
       const Group group = FindGroup(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, static_cast<int>(slot));
       if (group.index < 0) continue;
@@ -949,18 +952,12 @@ cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, int pass_rows, cudaStream_t 
   const int64_t tiles = (kGated ? args.n / 2 : args.n) / kFp8TileRows;
   const int64_t slots = std::min(args.num_groups, args.out_rows);
   const int64_t runs = (tiles + args.units_per_block - 1) / args.units_per_block;
-  if (ring) {
-    args.runs_per_block = Fp8RunsPerBlock(runs, slots, per_sm);
-    const dim3 grid(static_cast<unsigned>((runs + args.runs_per_block - 1) / args.runs_per_block),
-                    static_cast<unsigned>(slots));
-    kernel<<<grid, kThreads, smem, stream>>>(args);
-    return cudaGetLastError();
-  }
-  // The stream kernel's schedule. Routed experts alone: the ring's grid (Fp8RunsPerBlock), a slot's
-  // runs in equal chunks, no block meeting two experts. With a shared product: every run of every
-  // slot, then the shared product's, in equal contiguous ranges over the blocks the SMs hold at
-  // once (a block meeting two experts finds the second and stages its rows again, a few us, where
-  // chunks whole a slot would leave the shared product's blocks a second wave).
+  // The schedule. Routed experts alone: each slot's runs in equal chunks of runs_per_block
+  // (Fp8RunsPerBlock), no block meeting two experts; the ring kernel's grid is (chunks, slots), the
+  // stream kernel's the same blocks in one dimension. With a shared product (the stream kernel):
+  // every run of every slot, then the shared product's, in equal contiguous ranges over the blocks
+  // the SMs hold at once (a block meeting two experts finds the second and stages its rows again, a
+  // few us, where chunks whole a slot would leave the shared product's blocks a second wave).
   args.num_slots = slots, args.runs_per_slot = runs;
   unsigned grid;
   if (args.shared_weights == nullptr) {
@@ -968,6 +965,10 @@ cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, int pass_rows, cudaStream_t 
     args.runs_per_block = Fp8RunsPerBlock(runs, slots, per_sm);
     args.blocks_per_slot = (runs + args.runs_per_block - 1) / args.runs_per_block;
     args.units_per_cta = 0;
+    if (ring) {
+      kernel<<<dim3(static_cast<unsigned>(args.blocks_per_slot), static_cast<unsigned>(slots)), kThreads, smem, stream>>>(args);
+      return cudaGetLastError();
+    }
     grid = static_cast<unsigned>(slots * args.blocks_per_slot);
   } else {
     const int64_t total = slots * runs + args.shared_runs;

@@ -707,12 +707,10 @@ def fp8_decode_swiglu_with_shared(rows, gate_up, gate_up_scale, down, down_scale
     if max(hidden_size, ffn_size, shared_ffn) > FP8_DECODE_MAX_K or shared_ffn % fp8.BLOCK:
         raise ValueError(f"{op}: expected H, F and Fs multiples of {fp8.BLOCK} up to {FP8_DECODE_MAX_K}, got "
                          f"H={hidden_size}, F={ffn_size}, Fs={shared_ffn}")
-    shared_offsets = jnp.array([0, num_tokens], jnp.int32)
-    shared = tuple(leaf[None] for leaf in (shared_gate_up, shared_gate_up_scale, shared_down, shared_down_scale))
-
-    def fallback(*operands):
+    def fallback(*operands):  # the shared expert as one group (El = 1) of every token
         return (fp8_swiglu_dequantized(*operands[:6], num_rows),
-                fp8_swiglu_dequantized(operands[6], *operands[7:], shared_offsets, num_tokens))
+                fp8_swiglu_dequantized(operands[6], *(leaf[None] for leaf in operands[7:]),
+                                       jnp.array([0, num_tokens], jnp.int32), num_tokens))
 
     def native(*operands):
         call = jax.ffi.ffi_call(_native.FP8_DECODE_SWIGLU_SHARED_TARGET,
@@ -721,11 +719,12 @@ def fp8_decode_swiglu_with_shared(rows, gate_up, gate_up_scale, down, down_scale
                                  jax.ShapeDtypeStruct((num_tokens, hidden_size), rows.dtype),
                                  jax.ShapeDtypeStruct((num_tokens, shared_ffn), rows.dtype)),
                                 vmap_method="sequential")
-        out, _, shared_out, _ = fence_results(call(*operands[:7], *(leaf[0] for leaf in operands[7:]),
-                                                   rows_per_pass=np.int64(8), group_rows=np.int64(group_rows or 0)))
+        out, _, shared_out, _ = fence_results(call(*operands, rows_per_pass=np.int64(8),
+                                                   group_rows=np.int64(group_rows or 0)))
         return out, shared_out
 
-    operands = (rows, gate_up, gate_up_scale, down, down_scale, offsets, x, *shared)
+    operands = (rows, gate_up, gate_up_scale, down, down_scale, offsets, x, shared_gate_up, shared_gate_up_scale,
+                shared_down, shared_down_scale)
     if rows.dtype != jnp.bfloat16:
         return fallback(*operands)
     return _on_cuda(native, fallback, *operands)
