@@ -363,27 +363,29 @@ bool SharedJoinsLaunch(const DecodeGemmArgs& args) {
 }
 
 // ---- FP8 experts (LaunchFp8DecodeSwiglu) ----
-// Grid: x = runs_per_block consecutive runs of units_per_block 16-row weight tiles (gate/up: a tile
-// of gate rows and the matching tile of up rows), y = a slot as above. The block stages its pass's
-// rows quantised in shared memory; its 8 warps split into units_per_block units of
-// 8 / units_per_block warps, which split the unit's K blocks, run after run (the block sums its
-// warps' parts at the end of each). Each warp streams its tiles' K blocks through its own ring of
-// `stages` shared-memory slots (cp.async: the next blocks' bytes stay in flight while it multiplies
-// one) and keeps float32 sums as mma.sync C fragments: per 128-deep K block, four m16n8k32
-// products into zeros, then sum += part * w_scale * row_scale.
+// A one-dimensional grid over a schedule of runs (Fp8DecodeGemmArgs): a run is units_per_block
+// 16-row weight tiles of one expert (gate/up: a tile of gate rows and the matching tile of up
+// rows). The block stages its pass's rows quantised in shared memory; its 8 warps split into
+// units_per_block units of 8 / units_per_block warps, which split the unit's K blocks, run after
+// run (the block sums its warps' parts at the end of each). Each warp streams its tiles' K blocks
+// through its own ring of `stages` shared-memory slots (Fp8RingSegment, cp.async: the next blocks'
+// bytes stay in flight while it multiplies one), or through registers (Fp8StreamSegment), and
+// keeps float32 sums as mma.sync C fragments: per 128-deep K block, four m16n8k32 products into
+// zeros, then sum += part * w_scale * row_scale.
 // Operands: lane (g = lane / 4, t = lane % 4) takes 16 weight bytes of rows g and g + 8 at t * 16
 // and at 64 + t * 16 in the K block, and the staged row's bytes at the same offsets: with the same
 // permutation of K in both operands, the fragments need no shuffle (product j takes bytes 8j..8j+7
-// of the lane's 32). Fp8StreamKernel (below) takes the same operands into registers instead of a
-// ring, and can carry a shared expert's product as one more slot (Fp8UsesRing says which runs).
+// of the lane's 32). A shared expert's product can ride as one more slot.
 constexpr int kFp8TileRows = 16;
 constexpr int kFp8Block = 128;
 constexpr int kFp8TileBytes = kFp8TileRows * kFp8Block;  // one tile's K block: 2 KB
 constexpr int kFp8RowPad = 64;  // bytes after each staged row: a quarter warp's 16-byte reads (rows g, g + 1) miss each other's banks
 constexpr int kStageLoads = 2;  // row loads per thread in flight while staging
-// Slots a warp's ring holds: 2 by default (measured on the H200 against 4, which leaves one block
-// an SM: DeepSeek-V3's shared expert at T = 1 23.8 vs 24.8 us, Qwen3-30B's experts at T = 16
-// 140 vs 194 us); JAX_MOE_FP8_DECODE_STAGES up to kFp8MaxStages.
+// Slots a warp's ring holds: 2 by default. Deeper rings measured slower on the H200, with one
+// block an SM (4 slots: DeepSeek-V3's shared expert at T = 1 24.8 vs 23.8 us, Qwen3-30B's experts
+// at T = 16 194 vs 140 us) and with the same blocks an SM too (3-4 slots where two blocks still
+// fit: every case 1-7 % slower, notebooks/results/fp8_decode_ring_h200.md).
+// JAX_MOE_FP8_DECODE_STAGES up to kFp8MaxStages, for measuring the ring.
 constexpr int kFp8DefaultStages = 2;
 constexpr int kFp8MaxStages = 4;
 constexpr int64_t kSmemBytes = 227 * 1024;  // an H100/H200 block's shared memory
@@ -432,10 +434,12 @@ struct Fp8DecodeGemmArgs {
   int units_per_block, stages;
   int runs_per_block;       // consecutive runs of units_per_block tiles a block takes (Fp8RunsPerBlock)
   int pass_rows;            // rows staged per pass, 1 to 8 * kSlices: no more than one expert can own
-  // Fp8StreamKernel's schedule over the routed slots' runs (slot-major, runs_per_slot each), then
-  // the shared product's: contiguous ranges of units_per_cta runs a block, or with units_per_cta 0
+  // The schedule over the routed slots' runs (slot-major, runs_per_slot each), then the shared
+  // product's: contiguous ranges of units_per_cta runs a block, or with units_per_cta 0
   // blocks_per_slot blocks a slot of runs_per_block runs each (no block meets two slots).
   int64_t num_slots, runs_per_slot, units_per_cta, blocks_per_slot;
+  int64_t ring_offset;      // bytes of dynamic shared memory before the warps' rings: the staged rows'
+
   // Optional (shared_weights non-null): a shared expert's product as one more slot whose group is
   // every row of shared_rows, with its own sizes (N, K) and tiling.
   const Bf16* shared_rows = nullptr;        // [shared_count, shared_k]
@@ -568,63 +572,76 @@ __device__ __forceinline__ void Fp8RunEpilogue(Bf16* out, Fp8Partial<kGated, kSl
   __syncthreads();
 }
 
+// A stretch of one product that a block takes: `runs` consecutive runs from first_run of one
+// expert's weights (or the shared expert's) against its group's rows.
+struct Fp8Segment {
+  const Bf16* rows;        // the group's first row [., k]
+  const uint8_t* weights;  // the expert's [n, k] e4m3
+  const float* scale;      // its [n / 128, k / 128]
+  Bf16* out;               // the group's first output row
+  int64_t k, n;
+  int units_per_block, pass_rows, group_rows;
+  int first_run, runs;
+};
+
+// The ring kernel's part of a segment: each warp streams its tiles' K blocks through its own ring
+// of `stages` slots at `rings` (cp.async; the next stages - 1 items in flight while it multiplies
+// one). Whole block.
 template <bool kGated, int kSlices>
-__global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs p) {
+__device__ __noinline__ void Fp8RingSegment(const Fp8Segment& s, uint8_t* staged, uint8_t* rings, int stages,
+                                               Fp8Partial<kGated, kSlices>& partial) {
   constexpr int kTiles = kGated ? 2 : 1;  // weight tiles per unit: gate and up, or one
   constexpr int64_t kSlot = Fp8SlotBytes(kTiles);
-  extern __shared__ __align__(16) uint8_t staged[];
-  __shared__ Fp8Partial<kGated, kSlices> partial;
-
-  const int64_t k = p.k, n = p.n, blocks_k = k / kFp8Block;
-  const int64_t stride = k + kFp8RowPad;
+  // 32-bit sizes and offsets within the expert (its [N, K] bytes are under 2^31): the fewer
+  // registers, the fewer spilled at 128 a thread.
+  const int k = static_cast<int>(s.k), n = static_cast<int>(s.n), blocks_k = k / kFp8Block;
+  const int stride = k + kFp8RowPad;
   // Only pass_rows rows are staged (T = 1: one row of 7 KB rather than eight, for DeepSeek-V3's
   // gate/up: two blocks an SM); the products' columns past them read the last staged row again
   // and are never stored.
-  const int pass_rows = p.pass_rows;
+  const int pass_rows = s.pass_rows;
   float* row_scale = reinterpret_cast<float*>(staged + pass_rows * stride);
-  const int stages = p.stages;
-  uint8_t* ring = staged + Fp8StagingBytes(pass_rows, k) + (threadIdx.x >> 5) * stages * kSlot;
-  const int64_t out_width = kGated ? n / 2 : n;
-  const int64_t tiles = out_width / kFp8TileRows;
-  const int out_rows = static_cast<int>(p.out_rows);
+  uint8_t* ring = rings + (threadIdx.x >> 5) * stages * kSlot;
+  const int out_width = kGated ? n / 2 : n;
+  const int tiles = out_width / kFp8TileRows;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int warps_per_unit = kWarps / p.units_per_block;
+  const int warps_per_unit = kWarps / s.units_per_block;
   const int unit = warp / warps_per_unit, part = warp % warps_per_unit;
-  const int runs = p.runs_per_block;
-  // Run j of the block: tiles (blockIdx.x * runs + j) * units_per_block + unit, so a block streams
-  // a contiguous stretch of its expert's weights. Every warp takes the same `runs` (the block
+  const int runs = s.runs;
+  // Run j of the segment: tile (first_run + j) * units_per_block + unit, so a block streams a
+  // contiguous stretch of the expert's weights. Every warp takes the same `runs` (the block
   // reduces once per run), idling on tiles past the last.
-  auto tile_of = [&](int j) { return (static_cast<int64_t>(blockIdx.x) * runs + j) * p.units_per_block + unit; };
-  const int64_t block_begin = part * blocks_k / warps_per_unit, block_end = (part + 1) * blocks_k / warps_per_unit;
-
-  if (!kGated && blockIdx.y == 0) {
-    const int64_t span = static_cast<int64_t>(runs) * p.units_per_block * kFp8TileRows;
-    const int64_t col0 = static_cast<int64_t>(blockIdx.x) * span;
-    ZeroFp8RowsPastLive(p, col0, n - col0 < span ? n - col0 : span);
-  }
-  const Group group = FindGroup(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, blockIdx.y);
-  if (group.index < 0) return;
+  const int first_tile = s.first_run * s.units_per_block + unit, tile_step = s.units_per_block;
+  const int last_tile = min(tiles, first_tile + runs * tile_step);  // past the segment's runs, or the last tile
+  const int block_begin = part * blocks_k / warps_per_unit, block_end = (part + 1) * blocks_k / warps_per_unit;
 
   // The lane's copies: 16-byte chunk (lane % 8) of tile rows lane / 8 + 4j, j < 4, of each tile; and
   // lane i < kTiles copies tile i's weight scale (the up tile's rows start F rows on).
   const int copy_row = lane >> 3, copy_chunk = lane & 7;
-  const int64_t count = block_end - block_begin;  // this warp's K blocks of each tile
-  const int64_t total = runs * count;             // its ring's sequence: run-major, then K block
-  auto issue = [&](int64_t item, int slot) {
-    const int64_t tile = tile_of(static_cast<int>(item / count)), kb = block_begin + item % count;
-    if (tile >= tiles) return;
-    const int64_t row0 = tile * kFp8TileRows;
-    const uint8_t* src = p.weights + (group.index * n + row0 + copy_row) * k + copy_chunk * 16 + kb * kFp8Block;
-    uint8_t* dst = ring + slot * kSlot;
+  const int count = block_end - block_begin;  // this warp's K blocks of each tile
+  // Its ring's sequence: run-major, then K block. The next item to copy (tile issue_tile, K block
+  // block_begin + issue_i) and its slot, kept as counters: a 64-bit division and two remainders
+  // per item sat between a slot landing and the next copy going out, and the ring is only as deep
+  // as that gap lets it be.
+  int issue_tile = first_tile, issue_i = 0, issue_slot = 0;
+  auto issue_next = [&]() {
+    const int kb = block_begin + issue_i;
+    if (issue_tile < last_tile) {
+      const int row0 = issue_tile * kFp8TileRows;
+      const uint8_t* src = s.weights + ((row0 + copy_row) * k + copy_chunk * 16 + kb * kFp8Block);
+      uint8_t* dst = ring + issue_slot * kSlot;
 #pragma unroll
-    for (int i = 0; i < kTiles; ++i)
+      for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        CpAsync16(dst + i * kFp8TileBytes + SlotOffset(copy_row + 4 * j, copy_chunk), src + (i * out_width + 4 * j) * k);
-    if (lane < kTiles)
-      CpAsync4(dst + kTiles * kFp8TileBytes + lane * 4,
-               p.scale + (group.index * (n / kFp8Block) + (row0 + (lane == 1 ? out_width : 0)) / kFp8Block) * blocks_k + kb);
+        for (int j = 0; j < 4; ++j)
+          CpAsync16(dst + i * kFp8TileBytes + SlotOffset(copy_row + 4 * j, copy_chunk), src + (i * out_width + 4 * j) * k);
+      if (lane < kTiles)
+        CpAsync4(dst + kTiles * kFp8TileBytes + lane * 4,
+                 s.scale + (row0 + (lane == 1 ? out_width : 0)) / kFp8Block * blocks_k + kb);
+    }
+    if (++issue_i == count) issue_i = 0, issue_tile += tile_step;
+    if (++issue_slot == stages) issue_slot = 0;
   };
   auto wait = [&]() {  // until the oldest of the `stages` groups in flight has landed
     if (stages >= 4) CpAsyncWait<3>();
@@ -632,29 +649,31 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
     else CpAsyncWait<1>();
   };
 
-  for (int first = group.start; first < group.end; first += pass_rows) {
-    const int rows_now = min(pass_rows, group.end - first);
+  for (int first = 0; first < s.group_rows; first += pass_rows) {
+    const int rows_now = min(pass_rows, s.group_rows - first);
     // The ring's first stages - 1 K blocks in flight while the rows are staged.
-    for (int s = 0; s < stages - 1; ++s) {
-      if (s < total) issue(s, s);
+    issue_tile = first_tile, issue_i = issue_slot = 0;
+    for (int ahead = 0; ahead < stages - 1; ++ahead) {
+      issue_next();
       CpAsyncCommit();
     }
-    StageFp8Rows(p.rows + first * k, rows_now, k, staged, row_scale);
+    StageFp8Rows(s.rows + first * k, rows_now, k, staged, row_scale);
     __syncthreads();
 
+    int read_slot = 0;
     for (int j = 0; j < runs; ++j) {
-      const int64_t tile = tile_of(j);
+      const int tile = first_tile + j * tile_step;
       const bool tile_ok = tile < tiles;  // warp-uniform
       float sum[kTiles][kSlices][4] = {};
-      for (int64_t i = 0; i < count; ++i) {
+      for (int i = 0; i < count; ++i) {
         // The ring runs on across runs: the next run's first blocks load during this one's last.
-        const int64_t it = j * count + i, next = it + stages - 1;
-        if (next < total) issue(next, static_cast<int>(next % stages));
+        issue_next();  // item j * count + i + stages - 1
         CpAsyncCommit();
         wait();
-        __syncwarp();  // every lane's copies of block `it` are visible to the warp
+        __syncwarp();  // every lane's copies of item j * count + i are visible to the warp
+        const uint8_t* slot = ring + read_slot * kSlot;
+        if (++read_slot == stages) read_slot = 0;
         if (!tile_ok) continue;
-        const uint8_t* slot = ring + (it % stages) * kSlot;
         uint4 a[kTiles][4];
         float w_scale[kTiles];
 #pragma unroll
@@ -669,7 +688,8 @@ __global__ void __launch_bounds__(kThreads, 2) Fp8DecodeKernel(Fp8DecodeGemmArgs
         Fp8BlockProduct<kTiles, kSlices>(sum, a, w_scale, staged, row_scale, stride, blocks_k, block_begin + i, pass_rows);
         __syncwarp();  // the slot is read before a later iteration's copies overwrite it
       }
-      Fp8RunEpilogue<kGated, kSlices>(p.out, partial, sum, tile, tile_ok, part == 0, warps_per_unit, first, rows_now, out_width);
+      Fp8RunEpilogue<kGated, kSlices>(s.out, partial, sum, tile, tile_ok, part == 0, warps_per_unit, first, rows_now,
+                                      out_width);
     }
   }
 }
@@ -692,18 +712,6 @@ template <int kTiles>
 struct Fp8Fragments {
   uint4 a[kTiles][4];
   float w_scale[kTiles];
-};
-
-// A stretch of one product that a block of the stream kernel takes: `runs` consecutive runs from
-// first_run of one expert's weights against its group's rows.
-struct Fp8Segment {
-  const Bf16* rows;        // the group's first row [., k]
-  const uint8_t* weights;  // the expert's [n, k] e4m3
-  const float* scale;      // its [n / 128, k / 128]
-  Bf16* out;               // the group's first output row
-  int64_t k, n;
-  int units_per_block, pass_rows, group_rows;
-  int first_run, runs;
 };
 
 template <bool kGated, int kSlices, int kDepth>
@@ -800,13 +808,15 @@ __device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, uint8_t* s
   }
 }
 
-// The stream kernel. Block b takes a range of the schedule's runs (Fp8DecodeGemmArgs): with a
-// shared product, runs [b, b + 1) * units_per_cta of the flat schedule, one segment per slot it
-// meets, so every SM streams about the same bytes and the shared expert rides in the same launch;
-// without, a chunk of one slot's runs, as the ring kernel's grid.
+// The FP8 decode kernel: kDepth 0 streams the weights through each warp's ring in shared memory
+// (Fp8RingSegment, two blocks an SM), kDepth > 0 through registers (Fp8StreamSegment, one block).
+// Block b takes a range of the schedule's runs (Fp8DecodeGemmArgs): with a shared product, runs
+// [b, b + 1) * units_per_cta of the flat schedule, one segment per slot it meets, so every SM
+// streams about the same bytes and the shared expert rides in the same launch; without, a chunk
+// of one slot's runs.
 template <bool kGated, int kSlices, int kDepth>
-__global__ void __launch_bounds__(kThreads, 1) Fp8StreamKernel(Fp8DecodeGemmArgs p) {
-  extern __shared__ __align__(16) uint8_t staged[];
+__global__ void __launch_bounds__(kThreads, kDepth == 0 ? 2 : 1) Fp8DecodeKernel(Fp8DecodeGemmArgs p) {
+  extern __shared__ __align__(16) uint8_t staged[];  // the staged rows, then (ring) the warps' rings
   __shared__ Fp8Partial<kGated, kSlices> partial;
   const int64_t routed = p.num_slots * p.runs_per_slot;
   const int64_t total = routed + (p.shared_weights != nullptr ? p.shared_runs : 0);
@@ -849,7 +859,10 @@ __global__ void __launch_bounds__(kThreads, 1) Fp8StreamKernel(Fp8DecodeGemmArgs
       s.units_per_block = p.shared_units_per_block, s.pass_rows = p.shared_pass_rows;
       s.group_rows = static_cast<int>(p.shared_count);
     }
-    Fp8StreamSegment<kGated, kSlices, kDepth>(s, staged, partial);
+    if constexpr (kDepth == 0)
+      Fp8RingSegment<kGated, kSlices>(s, staged, staged + p.ring_offset, p.stages, partial);
+    else
+      Fp8StreamSegment<kGated, kSlices, kDepth>(s, staged, partial);
   }
 }
 
@@ -876,10 +889,11 @@ int Fp8RunsPerBlock(int64_t runs, int64_t slots, int per_sm) {
   return static_cast<int>(std::max<int64_t>(1, (runs + blocks_x - 1) / blocks_x));
 }
 
-// Dynamic shared memory of a launch staging pass_rows rows, with `stages` slots a warp.
+// Dynamic shared memory of a launch: `staging` bytes of staged rows (the most of its products'),
+// then, for the ring, `stages` slots a warp.
 template <bool kGated>
-int64_t Fp8DecodeSmem(int64_t k, int pass_rows, int stages) {
-  return Fp8StagingBytes(pass_rows, k) + kWarps * stages * Fp8SlotBytes(kGated ? 2 : 1);
+int64_t Fp8DecodeSmem(int64_t staging, int stages) {
+  return staging + kWarps * stages * Fp8SlotBytes(kGated ? 2 : 1);
 }
 // The deepest ring (up to the cap, at least 2) that fits beside the staged rows, or 0. The cap is
 // kFp8DefaultStages, or JAX_MOE_FP8_DECODE_STAGES (2 to 4: a knob for measuring the ring), read once.
@@ -893,55 +907,60 @@ int Fp8StagesCap() {
 }
 
 template <bool kGated, int kSlices>
-int Fp8Stages(int64_t k, int pass_rows) {
+int Fp8Stages(int64_t staging) {
   for (int stages = Fp8StagesCap(); stages >= 2; --stages)
-    if (Fp8DecodeSmem<kGated>(k, pass_rows, stages) + sizeof(Fp8Partial<kGated, kSlices>) + 1024 <= kSmemBytes)
+    if (Fp8DecodeSmem<kGated>(staging, stages) + sizeof(Fp8Partial<kGated, kSlices>) + 1024 <= kSmemBytes)
       return stages;
   return 0;
 }
 
-// Which kernel a launch takes. With a shared product, the stream kernel (Fp8StreamKernel: its
-// schedule carries the extra slot). Routed experts alone, the ring (Fp8DecodeKernel), measured the
-// faster there on the H200 (fp8_decode_probe, kernel us per call, ring vs stream: Qwen3-30B T = 1
-// 21.9 vs 24.6, Mixtral T = 1 107.0 vs 112.5, DeepSeek-V3 T = 1 108.1 vs 104.9, Qwen3.5-397B T = 1
-// 49.3 vs 49.0: notebooks/results/fp8_decode_stream_h200.md); JAX_MOE_FP8_DECODE_KERNEL=stream
-// takes the stream kernel there too, for measuring one against the other (the same bits). Read once.
-bool Fp8RoutedOnStream() {
-  static const bool stream = [] {
+// Which way a launch's weights travel. Routed experts alone: the ring (Fp8RingSegment). With a
+// shared product riding: the registers (Fp8StreamSegment), whose one block an SM keeps the flat
+// schedule's ranges long. Measured on the H200 (notebooks/results/fp8_decode_ring_h200.md): kernel
+// us per call of routed experts alone, ring vs stream, Qwen3-30B T = 1 21.9 vs 24.6, Mixtral T = 1
+// 107.0 vs 112.5; the layer with DeepSeek-V3's shared expert riding at T = 1, 149 us a layer on the
+// stream kernel vs 161 on the ring. JAX_MOE_FP8_DECODE_KERNEL=ring or =stream takes that one for
+// every launch, for measuring one against the other (the same bits). Read once.
+bool Fp8UsesRing(const Fp8DecodeGemmArgs& args) {
+  static const int forced = [] {  // 1 ring, 2 stream, 0 neither
     const char* value = std::getenv("JAX_MOE_FP8_DECODE_KERNEL");
-    return value != nullptr && std::string(value) == "stream";
+    if (value == nullptr) return 0;
+    return std::string(value) == "ring" ? 1 : std::string(value) == "stream" ? 2 : 0;
   }();
-  return stream;
+  return forced != 0 ? forced == 1 : args.shared_weights == nullptr;
 }
-bool Fp8UsesRing(const Fp8DecodeGemmArgs& args) { return args.shared_weights == nullptr && !Fp8RoutedOnStream(); }
 
-// Whether a launch staging pass_rows rows fits an SM's shared memory.
+// Bytes of staged rows of a launch: its products' most.
+int64_t Fp8LaunchStaging(const Fp8DecodeGemmArgs& args, int pass_rows, int shared_pass_rows) {
+  return std::max(Fp8StagingBytes(pass_rows, args.k),
+                  args.shared_weights != nullptr ? Fp8StagingBytes(shared_pass_rows, args.shared_k) : 0);
+}
+
+// Whether a launch's staged rows (and the ring) fit an SM's shared memory.
 template <bool kGated, int kSlices>
-bool Fp8Fits(int64_t k, int pass_rows, bool ring) {
-  if (ring) return Fp8Stages<kGated, kSlices>(k, pass_rows) > 0;
-  return Fp8StagingBytes(pass_rows, k) + static_cast<int64_t>(sizeof(Fp8Partial<kGated, kSlices>)) + 1024 <= kSmemBytes;
+bool Fp8Fits(int64_t staging, bool ring) {
+  if (ring) return Fp8Stages<kGated, kSlices>(staging) > 0;
+  return staging + static_cast<int64_t>(sizeof(Fp8Partial<kGated, kSlices>)) + 1024 <= kSmemBytes;
 }
 
 // pass_rows: rows staged per pass, 1 to 8 * kSlices.
 template <bool kGated, int kSlices>
 cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, int pass_rows, cudaStream_t stream) {
   const bool ring = Fp8UsesRing(args);
-  if (!Fp8Fits<kGated, kSlices>(args.k, pass_rows, ring)) return cudaErrorInvalidValue;
   args.pass_rows = pass_rows;
-  args.stages = ring ? Fp8Stages<kGated, kSlices>(args.k, pass_rows) : 0;
   if (args.shared_weights != nullptr) {
     args.shared_units_per_block = Fp8UnitsPerBlock(args.shared_k / kFp8Block);
     const int64_t shared_tiles = (kGated ? args.shared_n / 2 : args.shared_n) / kFp8TileRows;
     args.shared_runs = (shared_tiles + args.shared_units_per_block - 1) / args.shared_units_per_block;
     args.shared_pass_rows = static_cast<int>(std::min<int64_t>(args.shared_count, 8 * kSlices));
-    if (!Fp8Fits<kGated, kSlices>(args.shared_k, args.shared_pass_rows, false)) return cudaErrorInvalidValue;
   }
-  const size_t smem = static_cast<size_t>(
-      ring ? Fp8DecodeSmem<kGated>(args.k, pass_rows, args.stages)
-           : std::max(Fp8StagingBytes(pass_rows, args.k),
-                      args.shared_weights != nullptr ? Fp8StagingBytes(args.shared_pass_rows, args.shared_k) : 0));
+  const int64_t staging = Fp8LaunchStaging(args, pass_rows, args.shared_pass_rows);
+  if (!Fp8Fits<kGated, kSlices>(staging, ring)) return cudaErrorInvalidValue;
+  args.ring_offset = staging;
+  args.stages = ring ? Fp8Stages<kGated, kSlices>(staging) : 0;
+  const size_t smem = static_cast<size_t>(ring ? Fp8DecodeSmem<kGated>(staging, args.stages) : staging);
   // Registers hold the stream kernel's loads in flight: one block an SM of up to 255 a thread.
-  auto kernel = ring ? Fp8DecodeKernel<kGated, kSlices> : Fp8StreamKernel<kGated, kSlices, kGated ? 2 : 4>;
+  auto kernel = ring ? Fp8DecodeKernel<kGated, kSlices, 0> : Fp8DecodeKernel<kGated, kSlices, kGated ? 2 : 4>;
   // Past 48 KB of shared memory, static `partial` included, the dynamic part needs the opt-in.
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem));
@@ -953,11 +972,10 @@ cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, int pass_rows, cudaStream_t 
   const int64_t slots = std::min(args.num_groups, args.out_rows);
   const int64_t runs = (tiles + args.units_per_block - 1) / args.units_per_block;
   // The schedule. Routed experts alone: each slot's runs in equal chunks of runs_per_block
-  // (Fp8RunsPerBlock), no block meeting two experts; the ring kernel's grid is (chunks, slots), the
-  // stream kernel's the same blocks in one dimension. With a shared product (the stream kernel):
-  // every run of every slot, then the shared product's, in equal contiguous ranges over the blocks
-  // the SMs hold at once (a block meeting two experts finds the second and stages its rows again, a
-  // few us, where chunks whole a slot would leave the shared product's blocks a second wave).
+  // (Fp8RunsPerBlock), no block meeting two experts. With a shared product: every run of every
+  // slot, then the shared product's, in equal contiguous ranges over the blocks the SMs hold at
+  // once (a block meeting two experts finds the second and stages its rows again, a few us, where
+  // chunks whole a slot would leave the shared product's blocks a second wave).
   args.num_slots = slots, args.runs_per_slot = runs;
   unsigned grid;
   if (args.shared_weights == nullptr) {
@@ -965,10 +983,6 @@ cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, int pass_rows, cudaStream_t 
     args.runs_per_block = Fp8RunsPerBlock(runs, slots, per_sm);
     args.blocks_per_slot = (runs + args.runs_per_block - 1) / args.runs_per_block;
     args.units_per_cta = 0;
-    if (ring) {
-      kernel<<<dim3(static_cast<unsigned>(args.blocks_per_slot), static_cast<unsigned>(slots)), kThreads, smem, stream>>>(args);
-      return cudaGetLastError();
-    }
     grid = static_cast<unsigned>(slots * args.blocks_per_slot);
   } else {
     const int64_t total = slots * runs + args.shared_runs;
@@ -988,7 +1002,8 @@ template <bool kGated>
 cudaError_t LaunchFp8DecodeRows(const Fp8DecodeGemmArgs& args, int rows_per_pass, int64_t group_rows,
                                 cudaStream_t stream) {
   const int64_t bound = group_rows > 0 ? group_rows : rows_per_pass;
-  if (rows_per_pass == 16 && bound > 8 && Fp8Fits<kGated, 2>(args.k, 16, Fp8UsesRing(args)))
+  const int64_t staging16 = Fp8LaunchStaging(args, 16, static_cast<int>(std::min<int64_t>(args.shared_count, 16)));
+  if (rows_per_pass == 16 && bound > 8 && Fp8Fits<kGated, 2>(staging16, Fp8UsesRing(args)))
     return LaunchFp8Decode<kGated, 2>(args, 16, stream);
   return LaunchFp8Decode<kGated, 1>(args, static_cast<int>(std::min<int64_t>(bound, 8)), stream);
 }
