@@ -164,6 +164,17 @@ for group_rows in (1, 3):
     print("fp8 decode staged", group_rows, "equal to 8 staged", bool((np.asarray(staged_out, np.float32)
                                                                      == np.asarray(runs_out, np.float32)).all()))
 
+# The FP8 shared expert riding the routed experts' decode launches (the flat schedule: ranges that
+# cross from one expert to the next and into the shared product; Fs below F), 3 tokens.
+shared_gate_up = jax.jit(jax_moe.fp8.quantize)(rng.standard_normal((2 * 640, 1024), np.float32) / 32)
+shared_down = jax.jit(jax_moe.fp8.quantize)(rng.standard_normal((1024, 640), np.float32) / 32)
+x = rng.standard_normal((3, 1024)).astype(jax.numpy.bfloat16)
+routed_out, shared_out = jax.jit(lambda *a: jax_moe.gemm.fp8_decode_swiglu_with_shared(*a[:6], config.capacity, *a[6:]))(
+    scratch.permuted, gate_up_q, gate_up_s, down_q, down_s, scratch.expert_offsets, x, *shared_gate_up, *shared_down)
+print("fp8 decode riding: routed equal to apart", bool((np.asarray(routed_out, np.float32)
+                                                       == np.asarray(runs_out, np.float32)).all()),
+      "shared finite", bool(np.isfinite(np.asarray(shared_out, np.float32)).all()))
+
 # A shared product in the routed experts' decode launch: wider than the routed one (the grid spans
 # it), K split differently (down: Ks 3 K-steps apart from K), two rows, rows past the live count.
 config = jax_moe.MoEConfig(num_experts=16, top_k=2, hidden_size=264, max_tokens=2, align=2)
