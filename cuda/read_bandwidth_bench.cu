@@ -1,0 +1,278 @@
+// How fast an H100/H200 reads the FP8 decode kernel's weights, by load scheme, without XLA: the
+// routed gate/up weights of DeepSeek-V3 at T = 1 (8 experts x [4096, 7168] e4m3 = 235 MB, as one
+// [32768, 7168] byte matrix, rotated over 4 copies so no read comes from L2), each scheme's kernel
+// only reading (and folding the bytes into a value it never stores, so nothing is dead code).
+// Schemes: contiguous 16-byte loads (the copy rate's pattern); the decode kernel's tile pattern
+// into registers (Fp8StreamSegment's loads); cp.async into per-warp rings (Fp8RingSegment's);
+// one-dimensional bulk copies (cp.async.bulk, one producer warp) of row pieces into a shared ring.
+// On the GPU machine, repository root:
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a cuda/read_bandwidth_bench.cu -o /tmp/rbw && /tmp/rbw
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "bench_timing.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ uint4 LoadStreaming16(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ unsigned SmemAddress(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// The folded bytes are stored only if they equal a value they never do: the loads stay live.
+__device__ __forceinline__ void Keep(unsigned folded, unsigned* sink) {
+  if (folded == 0x9e3779b9u) *sink = folded;
+}
+
+// Contiguous: block b reads its contiguous share, kDepth 16-byte loads a thread in flight.
+template <int kDepth>
+__global__ void __launch_bounds__(kThreads) Contiguous(const uint8_t* src, int64_t bytes, unsigned* sink) {
+  const int64_t share = bytes / gridDim.x / 65536 * 65536;
+  const uint8_t* base = src + blockIdx.x * share;
+  unsigned folded = 0;
+  for (int64_t offset = threadIdx.x * 16; offset < share; offset += kThreads * 16 * kDepth) {
+    uint4 v[kDepth];
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      const int64_t at = offset + d * kThreads * 16;
+      v[d] = at < share ? LoadStreaming16(base + at) : uint4{};
+    }
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) folded ^= v[d].x ^ v[d].w;
+  }
+  Keep(folded, sink);
+}
+
+// The decode kernel's tiles into registers: a block takes consecutive 16-row tiles, its 8 warps
+// split K (128-byte blocks); per K block lane (g, t) loads rows g and g + 8 at t * 16 and
+// 64 + t * 16 (MmaBlock's A operand), kDepth K blocks in flight.
+template <int kDepth>
+__global__ void __launch_bounds__(kThreads, 1) TileRegisters(const uint8_t* src, int64_t n, int64_t k,
+                                                             int tiles_per_block, unsigned* sink) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t blocks_k = k / 128, kb0 = warp * blocks_k / 8, kb1 = (warp + 1) * blocks_k / 8;
+  unsigned folded = 0;
+  for (int j = 0; j < tiles_per_block; ++j) {
+    const int64_t tile = static_cast<int64_t>(blockIdx.x) * tiles_per_block + j;
+    if (tile >= n / 16) break;
+    const uint8_t* row = src + (tile * 16 + g) * k + t * 16;
+    for (int64_t kb = kb0; kb < kb1; kb += kDepth) {
+      uint4 v[kDepth][4];
+#pragma unroll
+      for (int d = 0; d < kDepth; ++d) {
+        const uint8_t* p = row + (kb + d) * 128;
+        const bool in = kb + d < kb1;
+        v[d][0] = in ? LoadStreaming16(p) : uint4{};
+        v[d][1] = in ? LoadStreaming16(p + 64) : uint4{};
+        v[d][2] = in ? LoadStreaming16(p + 8 * k) : uint4{};
+        v[d][3] = in ? LoadStreaming16(p + 8 * k + 64) : uint4{};
+      }
+#pragma unroll
+      for (int d = 0; d < kDepth; ++d)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) folded ^= v[d][i].x ^ v[d][i].w;
+    }
+  }
+  Keep(folded, sink);
+}
+
+// The ring kernel's copies: each warp its K range of a tile pair (32 rows), kStages slots of
+// 4 KB, kStages - 1 items ahead (cp.async 16 bytes a lane, 4 rows x 128 bytes an instruction).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SmemAddress(smem)), "l"(global));
+}
+template <int kStages>
+__global__ void __launch_bounds__(kThreads, 2) WarpRings(const uint8_t* src, int64_t n, int64_t k,
+                                                         int pairs_per_block, unsigned* sink) {
+  extern __shared__ __align__(128) uint8_t rings[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint8_t* ring = rings + warp * kStages * 4096;
+  const int64_t blocks_k = k / 128, kb0 = warp * blocks_k / 8, count = (warp + 1) * blocks_k / 8 - kb0;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * pairs_per_block;
+  const int64_t pairs = first + pairs_per_block < n / 32 ? pairs_per_block : n / 32 - first;
+  const int64_t total = pairs * count;
+  const int copy_row = lane >> 3, copy_chunk = lane & 7;
+  auto issue = [&](int64_t item) {
+    const uint8_t* from = src + ((first + item / count) * 32 + copy_row) * k + copy_chunk * 16 + (kb0 + item % count) * 128;
+    uint8_t* to = ring + (item % kStages) * 4096;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) CpAsync16(to + (copy_row + 4 * j) * 128 + copy_chunk * 16, from + 4 * j * k);
+  };
+  unsigned folded = 0;
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < total) issue(s);
+    asm volatile("cp.async.commit_group;");
+  }
+  for (int64_t item = 0; item < total; ++item) {
+    if (item + kStages - 1 < total) issue(item + kStages - 1);
+    asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1));
+    __syncwarp();
+    folded ^= reinterpret_cast<const unsigned*>(ring + (item % kStages) * 4096)[lane * 4];
+    __syncwarp();
+  }
+  Keep(folded, sink);
+}
+
+// Bulk copies: one block an SM, a shared ring of `stages` stages of 16 row pieces of `piece`
+// bytes (rows k apart) of a 16-row tile, pieces walking K. Warp 0's lanes 0-15 copy a stage's
+// pieces (cp.async.bulk, completing on the stage's `full` barrier); warps 1-7 wait on it, read
+// it and release it (`empty`).
+__device__ __forceinline__ void BarrierInit(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddress(bar)), "r"(count));
+}
+__device__ __forceinline__ void BarrierExpectBytes(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddress(bar)), "r"(bytes));
+}
+__device__ __forceinline__ void BarrierArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddress(bar)));
+}
+__device__ __forceinline__ void BarrierWait(uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT;\n}\n" ::"r"(SmemAddress(bar)),
+      "r"(parity));
+}
+__device__ __forceinline__ void BulkCopy(void* smem, const void* global, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   SmemAddress(smem)),
+               "l"(global), "r"(bytes), "r"(SmemAddress(bar))
+               : "memory");
+}
+constexpr int kMaxBulkStages = 16;
+__global__ void __launch_bounds__(kThreads, 1) BulkRing(const uint8_t* src, int64_t n, int64_t k, int piece,
+                                                        int stages, int tiles_per_block, unsigned* sink) {
+  extern __shared__ __align__(128) uint8_t ring[];
+  __shared__ __align__(8) uint64_t full[kMaxBulkStages], empty[kMaxBulkStages];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int stage_bytes = 16 * piece;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      BarrierInit(&full[s], 1);
+      BarrierInit(&empty[s], kThreads / 32 - 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;");
+  }
+  __syncthreads();
+  const int64_t pieces_per_row = k / piece, first_tile = static_cast<int64_t>(blockIdx.x) * tiles_per_block;
+  const int64_t last_tile = first_tile + tiles_per_block < n / 16 ? first_tile + tiles_per_block : n / 16;
+  const int64_t items = (last_tile - first_tile) * pieces_per_row;
+  if (warp == 0) {
+    for (int64_t item = 0; item < items; ++item) {
+      const int s = static_cast<int>(item % stages);
+      const int64_t round = item / stages;
+      if (round > 0) BarrierWait(&empty[s], static_cast<unsigned>((round - 1) & 1));
+      if (lane == 0) BarrierExpectBytes(&full[s], stage_bytes);
+      __syncwarp();
+      if (lane < 16) {
+        const int64_t tile = first_tile + item / pieces_per_row, p = item % pieces_per_row;
+        BulkCopy(ring + s * stage_bytes + lane * piece, src + (tile * 16 + lane) * k + p * piece, piece, &full[s]);
+      }
+    }
+  } else {
+    unsigned folded = 0;
+    for (int64_t item = 0; item < items; ++item) {
+      const int s = static_cast<int>(item % stages);
+      BarrierWait(&full[s], static_cast<unsigned>((item / stages) & 1));
+      folded ^= reinterpret_cast<const uint4*>(ring + s * stage_bytes)[(threadIdx.x - 32) % (stage_bytes / 16)].x;
+      __syncwarp();
+      if (lane == 0) BarrierArrive(&empty[s]);
+    }
+    Keep(folded, sink);
+  }
+}
+
+}  // namespace
+
+int main() {
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int64_t k = 7168, n = 8 * 4096, bytes = n * k;
+  const int copies = 4;
+  std::vector<uint8_t*> weights(copies);
+  for (auto& w : weights) {
+    CK(cudaMalloc(&w, bytes));
+    CK(cudaMemset(w, 1, bytes));
+  }
+  unsigned* sink;
+  CK(cudaMalloc(&sink, sizeof(unsigned)));
+  cudaEvent_t start, stop;
+  CK(cudaEventCreate(&start));
+  CK(cudaEventCreate(&stop));
+  // Mean time of 20 back-to-back calls over the rotated copies (3 warm-up calls), and its read rate.
+  auto report = [&](const char* name, auto launch) {
+    for (int i = 0; i < 3; ++i) launch(weights[i % copies]);
+    CK(cudaDeviceSynchronize());
+    const int reps = 20;
+    CK(cudaEventRecord(start));
+    for (int i = 0; i < reps; ++i) launch(weights[i % copies]);
+    CK(cudaEventRecord(stop));
+    CK(cudaEventSynchronize(stop));
+    CK(cudaGetLastError());
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, start, stop));
+    const double us = ms * 1e3 / reps;
+    printf("%-48s %8.1f us  %6.2f TB/s\n", name, us, bytes / us / 1e6);
+  };
+  char name[96];
+  {
+    uint8_t* to;
+    CK(cudaMalloc(&to, bytes));
+    report("cudaMemcpy D2D of half (read + write)", [&](uint8_t* w) {
+      CK(cudaMemcpyAsync(to, w, bytes / 2, cudaMemcpyDeviceToDevice));
+    });
+    CK(cudaFree(to));
+  }
+  for (int per_sm : {1, 2, 4}) {
+    snprintf(name, sizeof(name), "contiguous, 8 loads a thread, %d block(s) an SM", per_sm);
+    report(name, [&](uint8_t* w) { Contiguous<8><<<sms * per_sm, kThreads>>>(w, bytes, sink); });
+    snprintf(name, sizeof(name), "contiguous, 4 loads a thread, %d block(s) an SM", per_sm);
+    report(name, [&](uint8_t* w) { Contiguous<4><<<sms * per_sm, kThreads>>>(w, bytes, sink); });
+  }
+  const int64_t tiles = n / 16;
+  const int tiles_per_block = static_cast<int>((tiles + sms - 1) / sms);
+  const unsigned tile_grid = static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block);
+  report("tiles into registers, 2 K blocks in flight", [&](uint8_t* w) {
+    TileRegisters<2><<<tile_grid, kThreads>>>(w, n, k, tiles_per_block, sink);
+  });
+  report("tiles into registers, 4 K blocks in flight", [&](uint8_t* w) {
+    TileRegisters<4><<<tile_grid, kThreads>>>(w, n, k, tiles_per_block, sink);
+  });
+  {
+    const int64_t pairs = n / 32;
+    const int per_block = static_cast<int>((pairs + 2 * sms - 1) / (2 * sms));
+    const unsigned grid = static_cast<unsigned>((pairs + per_block - 1) / per_block);
+    CK(cudaFuncSetAttribute(WarpRings<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, 8 * 2 * 4096));
+    CK(cudaFuncSetAttribute(WarpRings<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 8 * 3 * 4096));
+    report("cp.async warp rings, 2 slots, 2 blocks an SM", [&](uint8_t* w) {
+      WarpRings<2><<<grid, kThreads, 8 * 2 * 4096>>>(w, n, k, per_block, sink);
+    });
+    report("cp.async warp rings, 3 slots, 2 blocks an SM", [&](uint8_t* w) {
+      WarpRings<3><<<grid, kThreads, 8 * 3 * 4096>>>(w, n, k, per_block, sink);
+    });
+  }
+  const int max_smem = 200 * 1024;
+  CK(cudaFuncSetAttribute(BulkRing, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
+  for (int piece : {128, 256, 512, 1024, 1792}) {
+    for (int stages : {4, 8, 12}) {
+      const int smem = stages * 16 * piece;
+      if (smem > max_smem) continue;
+      snprintf(name, sizeof(name), "bulk copies of %d bytes, %d stages (%d KB)", piece, stages, smem / 1024);
+      report(name, [&](uint8_t* w) {
+        BulkRing<<<tile_grid, kThreads, smem>>>(w, n, k, piece, stages, tiles_per_block, sink);
+      });
+    }
+  }
+  return 0;
+}
