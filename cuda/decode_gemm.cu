@@ -584,9 +584,10 @@ struct Fp8Segment {
   int first_run, runs;
 };
 
-// The ring kernel's part of a segment: each warp streams its tiles' K blocks through its own ring
-// of `stages` slots at `rings` (cp.async; the next stages - 1 items in flight while it multiplies
-// one). Whole block.
+// A segment through the rings: each warp streams its tiles' K blocks through its own ring of
+// `stages` slots at `rings` (cp.async; the next stages - 1 items in flight while it multiplies
+// one). Whole block. Not inlined: inside the schedule's loop, at 128 registers a thread, the
+// gated 8-row variant spilled 52 bytes; as a function of its own it spills none.
 template <bool kGated, int kSlices>
 __device__ __noinline__ void Fp8RingSegment(const Fp8Segment& s, uint8_t* staged, uint8_t* rings, int stages,
                                                Fp8Partial<kGated, kSlices>& partial) {
