@@ -8,7 +8,10 @@ whose quantised rows are the CPU's bytes and whose products are held to a float6
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -570,6 +573,27 @@ def test_fp8_swiglu_forward_rejects_a_bad_decode_rows():
 
 RIDING_SHAPES = [(7168, 2048, 2048, 16, 8, 1), (7168, 2048, 2048, 16, 8, 2), (256, 384, 256, 8, 2, 16),
                  (256, 384, 640, 4, 1, 5)]
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_decode_ring_and_stream_give_the_same_bits(tmp_path):
+    """The FP8 decode kernel's two ways of moving the weights, through the warps' shared-memory rings
+    and through registers, give the same bits: routed experts alone (8 and 16 rows a pass, a group
+    bound) and with a shared expert riding. The choice is read once per process
+    (JAX_MOE_FP8_DECODE_KERNEL), so each way runs tests/fp8_decode_kernel_case.py in a process of
+    its own."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_decode_kernel_case.py")
+    outputs = {}
+    for way in ("ring", "stream"):
+        path = tmp_path / f"{way}.npz"
+        env = dict(os.environ, JAX_MOE_FP8_DECODE_KERNEL=way, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        done = subprocess.run([sys.executable, script, str(path)], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[way] = dict(np.load(path))
+    assert sorted(outputs["ring"]) == sorted(outputs["stream"]) and len(outputs["ring"]) == 8
+    for name, bits in outputs["ring"].items():
+        np.testing.assert_array_equal(bits, outputs["stream"][name], err_msg=name)
+        assert bits.any(), name
 
 
 @pytest.mark.gpu

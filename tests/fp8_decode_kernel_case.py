@@ -1,0 +1,56 @@
+"""The FP8 decode kernel's outputs, for tests/test_fp8.py's check that both ways it moves the weights
+give the same bits. ``JAX_MOE_FP8_DECODE_KERNEL=ring|stream python tests/fp8_decode_kernel_case.py
+OUT.npz`` (the kernel reads the variable once per process: one process a way).
+
+Cases, each saved as its bf16 bits (uint16): routed experts alone at 2 and 16 tokens with 8 and 16
+rows a pass and with a 3-row group bound; and at 3 tokens with a shared expert riding the same
+launches (its F above the routed one). Off CUDA the calls fall back to the dequantised math, and
+both ways give the same arrays trivially.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cases import routed_scratch  # noqa: E402
+from jax_moe import MoEConfig, fp8, gemm  # noqa: E402
+
+HIDDEN, FFN, SHARED_FFN, EXPERTS, TOP_K = 1024, 384, 640, 16, 4
+
+
+def outputs() -> dict[str, np.ndarray]:
+    keys = jax.random.split(jax.random.key(5), 5)
+    quantize = jax.jit(fp8.quantize)
+    gate_up = quantize(jax.random.normal(keys[0], (EXPERTS, 2 * FFN, HIDDEN)) / np.sqrt(HIDDEN))
+    down = quantize(jax.random.normal(keys[1], (EXPERTS, HIDDEN, FFN)) / np.sqrt(FFN))
+    shared_gate_up = quantize(jax.random.normal(keys[2], (2 * SHARED_FFN, HIDDEN)) / np.sqrt(HIDDEN))
+    shared_down = quantize(jax.random.normal(keys[3], (HIDDEN, SHARED_FFN)) / np.sqrt(SHARED_FFN))
+    bits = lambda a: np.asarray(jnp.asarray(a).view(jnp.uint16))
+    out = {}
+    for num_tokens in (2, 16):
+        config = MoEConfig(num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, max_tokens=num_tokens,
+                           dtype=jnp.bfloat16)
+        scratch = routed_scratch(config, num_tokens)
+        for rows_per_pass, group_rows in ((8, None), (16, None), (8, 3)):
+            forward = jax.jit(lambda r, o, w, *weights: gemm.fp8_swiglu_forward(
+                r, *weights, o, w, config.capacity, decode_rows=rows_per_pass, group_rows=group_rows)[0])
+            out[f"routed_T{num_tokens}_pass{rows_per_pass}_bound{group_rows}"] = bits(forward(
+                scratch.permuted, scratch.expert_offsets, scratch.workspace, *gate_up, *down))
+    config = MoEConfig(num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, max_tokens=3, dtype=jnp.bfloat16)
+    scratch = routed_scratch(config, 3)
+    x = jax.random.normal(keys[4], (3, HIDDEN)).astype(jnp.bfloat16)
+    riding = jax.jit(lambda *a: gemm.fp8_decode_swiglu_with_shared(*a[:6], config.capacity, *a[6:]))
+    routed, shared = riding(scratch.permuted, *gate_up, *down, scratch.expert_offsets, x, *shared_gate_up,
+                            *shared_down)
+    out["riding_routed"], out["riding_shared"] = bits(routed), bits(shared)
+    return out
+
+
+if __name__ == "__main__":
+    np.savez(sys.argv[1], **outputs())
