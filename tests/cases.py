@@ -319,3 +319,18 @@ def routed_scratch(config, num_tokens: int, ids=None, seed: int = 0):
     if ids is None:
         ids = jax.lax.top_k(jax.random.uniform(key_ids, (num_tokens, config.num_experts)), config.top_k)[1]
     return jax.jit(permute)(x, jnp.asarray(ids, jnp.int32), init_scratch(config))
+
+
+def fp8_swiglu_weights(keys, num_experts: int, hidden: int, ffn: int, shared_ffn: int):
+    """FP8 SwiGLU experts and a shared expert whose products have unit variance, from keys[0..3]:
+    ``(gate_up, down, shared_gate_up, shared_down)``, each ``(e4m3 weights, float32 block scales)``
+    in the checkpoint layout ([El, 2F, H], [El, H, F], [2Fs, H], [H, Fs]). Imports jax on first use."""
+    import jax
+    import numpy as np
+    from jax_moe import fp8
+
+    quantize = jax.jit(fp8.quantize)
+    return (quantize(jax.random.normal(keys[0], (num_experts, 2 * ffn, hidden)) / np.sqrt(hidden)),
+            quantize(jax.random.normal(keys[1], (num_experts, hidden, ffn)) / np.sqrt(ffn)),
+            quantize(jax.random.normal(keys[2], (2 * shared_ffn, hidden)) / np.sqrt(hidden)),
+            quantize(jax.random.normal(keys[3], (hidden, shared_ffn)) / np.sqrt(shared_ffn)))

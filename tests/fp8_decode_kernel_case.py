@@ -18,19 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cases import routed_scratch  # noqa: E402
-from jax_moe import MoEConfig, fp8, gemm  # noqa: E402
+from cases import fp8_swiglu_weights, routed_scratch  # noqa: E402
+from jax_moe import MoEConfig, gemm  # noqa: E402
 
 HIDDEN, FFN, SHARED_FFN, EXPERTS, TOP_K = 1024, 384, 640, 16, 4
 
 
 def outputs() -> dict[str, np.ndarray]:
     keys = jax.random.split(jax.random.key(5), 5)
-    quantize = jax.jit(fp8.quantize)
-    gate_up = quantize(jax.random.normal(keys[0], (EXPERTS, 2 * FFN, HIDDEN)) / np.sqrt(HIDDEN))
-    down = quantize(jax.random.normal(keys[1], (EXPERTS, HIDDEN, FFN)) / np.sqrt(FFN))
-    shared_gate_up = quantize(jax.random.normal(keys[2], (2 * SHARED_FFN, HIDDEN)) / np.sqrt(HIDDEN))
-    shared_down = quantize(jax.random.normal(keys[3], (HIDDEN, SHARED_FFN)) / np.sqrt(SHARED_FFN))
+    gate_up, down, shared_gate_up, shared_down = fp8_swiglu_weights(keys, EXPERTS, HIDDEN, FFN, SHARED_FFN)
     bits = lambda a: np.asarray(jnp.asarray(a).view(jnp.uint16))
     out = {}
     for num_tokens in (2, 16):

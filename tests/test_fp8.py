@@ -22,7 +22,7 @@ import jax_moe
 from jax_moe import MoEConfig, experts, fp8, gemm, init_scratch
 from jax_moe.experts import swiglu_experts
 from jax_moe.bench.models import MODELS
-from cases import GROUPED_GEMM_EDGE_CASES, grouped_gemm_edge_case, routed_scratch
+from cases import GROUPED_GEMM_EDGE_CASES, fp8_swiglu_weights, grouped_gemm_edge_case, routed_scratch
 from oracle import assert_zero_past_groups
 
 BF16 = jnp.bfloat16
@@ -607,11 +607,7 @@ def test_gpu_fp8_shared_expert_rides_the_decode_launches_bitwise(hidden, ffn, sh
     config = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden, max_tokens=num_tokens, dtype=BF16)
     scratch = routed_scratch(config, num_tokens)
     keys = jax.random.split(jax.random.key(11), 5)
-    quantize = jax.jit(fp8.quantize)
-    gu = quantize(jax.random.normal(keys[0], (num_experts, 2 * ffn, hidden)) / np.sqrt(hidden))
-    dn = quantize(jax.random.normal(keys[1], (num_experts, hidden, ffn)) / np.sqrt(ffn))
-    sgu = quantize(jax.random.normal(keys[2], (2 * shared_ffn, hidden)) / np.sqrt(hidden))
-    sdn = quantize(jax.random.normal(keys[3], (hidden, shared_ffn)) / np.sqrt(shared_ffn))
+    gu, dn, sgu, sdn = fp8_swiglu_weights(keys, num_experts, hidden, ffn, shared_ffn)
     x = jax.random.normal(keys[4], (num_tokens, hidden)).astype(BF16)
     num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
     rows, offsets = scratch.permuted, scratch.expert_offsets
