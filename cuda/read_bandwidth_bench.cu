@@ -88,15 +88,18 @@ __global__ void __launch_bounds__(kThreads, 1) TileRegisters(const uint8_t* src,
 
 // The ring kernel's copies: each warp its K range of a tile pair (32 rows), kStages slots of
 // 4 KB, kStages - 1 items ahead (cp.async 16 bytes a lane, 4 rows x 128 bytes an instruction).
+// kSlotBytes 4096 puts every slot on a 128-byte boundary; 4112 with the rings 16 bytes on is the
+// FP8 decode kernel's layout before its slots were aligned (4 KB of tiles, 16 bytes of scales, a
+// dynamic block 16-byte aligned): every other slot 16 bytes off a 32-byte boundary.
 __device__ __forceinline__ void CpAsync16(void* smem, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SmemAddress(smem)), "l"(global));
 }
-template <int kStages>
+template <int kStages, int kSlotBytes>
 __global__ void __launch_bounds__(kThreads, 2) WarpRings(const uint8_t* src, int64_t n, int64_t k,
                                                          int pairs_per_block, unsigned* sink) {
   extern __shared__ __align__(128) uint8_t rings[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint8_t* ring = rings + warp * kStages * 4096;
+  uint8_t* ring = rings + (kSlotBytes % 128) + warp * kStages * kSlotBytes;
   const int64_t blocks_k = k / 128, kb0 = warp * blocks_k / 8, count = (warp + 1) * blocks_k / 8 - kb0;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * pairs_per_block;
   const int64_t pairs = first + pairs_per_block < n / 32 ? pairs_per_block : n / 32 - first;
@@ -104,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 2) WarpRings(const uint8_t* src, int
   const int copy_row = lane >> 3, copy_chunk = lane & 7;
   auto issue = [&](int64_t item) {
     const uint8_t* from = src + ((first + item / count) * 32 + copy_row) * k + copy_chunk * 16 + (kb0 + item % count) * 128;
-    uint8_t* to = ring + (item % kStages) * 4096;
+    uint8_t* to = ring + (item % kStages) * kSlotBytes;
 #pragma unroll
     for (int j = 0; j < 8; ++j) CpAsync16(to + (copy_row + 4 * j) * 128 + copy_chunk * 16, from + 4 * j * k);
   };
@@ -118,7 +121,7 @@ __global__ void __launch_bounds__(kThreads, 2) WarpRings(const uint8_t* src, int
     asm volatile("cp.async.commit_group;");
     asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1));
     __syncwarp();
-    folded ^= reinterpret_cast<const unsigned*>(ring + (item % kStages) * 4096)[lane * 4];
+    folded ^= reinterpret_cast<const unsigned*>(ring + (item % kStages) * kSlotBytes)[lane * 4];
     __syncwarp();
   }
   Keep(folded, sink);
@@ -253,13 +256,19 @@ int main() {
     const int64_t pairs = n / 32;
     const int per_block = static_cast<int>((pairs + 2 * sms - 1) / (2 * sms));
     const unsigned grid = static_cast<unsigned>((pairs + per_block - 1) / per_block);
-    CK(cudaFuncSetAttribute(WarpRings<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, 8 * 2 * 4096));
-    CK(cudaFuncSetAttribute(WarpRings<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 8 * 3 * 4096));
+    constexpr int kAligned = 4096, kOff = 4112;  // see WarpRings
+    const int smem2 = 8 * 2 * kAligned, smem3 = 8 * 3 * kAligned, smem_off = 128 + 8 * 2 * kOff;
+    CK(cudaFuncSetAttribute(WarpRings<2, kAligned>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem2));
+    CK(cudaFuncSetAttribute(WarpRings<3, kAligned>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem3));
+    CK(cudaFuncSetAttribute(WarpRings<2, kOff>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_off));
     report("cp.async warp rings, 2 slots, 2 blocks an SM", [&](uint8_t* w) {
-      WarpRings<2><<<grid, kThreads, 8 * 2 * 4096>>>(w, n, k, per_block, sink);
+      WarpRings<2, kAligned><<<grid, kThreads, smem2>>>(w, n, k, per_block, sink);
     });
     report("cp.async warp rings, 3 slots, 2 blocks an SM", [&](uint8_t* w) {
-      WarpRings<3><<<grid, kThreads, 8 * 3 * 4096>>>(w, n, k, per_block, sink);
+      WarpRings<3, kAligned><<<grid, kThreads, smem3>>>(w, n, k, per_block, sink);
+    });
+    report("cp.async warp rings, 2 slots, every other one 16 B off", [&](uint8_t* w) {
+      WarpRings<2, kOff><<<grid, kThreads, smem_off>>>(w, n, k, per_block, sink);
     });
   }
   const int max_smem = 200 * 1024;
