@@ -1,5 +1,5 @@
-// Eight bf16 values in one 16-byte vector (a uint4) to float32 and back, and a streaming load of
-// one, for device code that loads and stores rows 16 bytes at a time.
+// Eight bf16 values in one 16-byte vector (a uint4) to float32 and back, and streaming loads of
+// one (or of 16 FP8 bytes), for device code that loads and stores rows 16 bytes at a time.
 #ifndef JAX_MOE_BF16_VECTOR_CUH_
 #define JAX_MOE_BF16_VECTOR_CUH_
 
@@ -37,6 +37,17 @@ __device__ __forceinline__ uint4 LoadStreaming(const __nv_bfloat16* p) {
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
+  return v;
+}
+
+// Sixteen bytes read once per call (FP8 weights streamed from HBM), the same load as volatile: it
+// stays where it is written, so loads issued ahead of their use (the FP8 decode kernel's
+// register-streaming segment) are not sunk towards it.
+__device__ __forceinline__ uint4 LoadStreamingBytes(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
   return v;
 }
 

@@ -701,13 +701,6 @@ __device__ __noinline__ void Fp8RingSegment(const Fp8Segment& s, uint8_t* staged
 // never drain between runs. The K blocks, their order and every sum are the ring kernel's: the same
 // bits. Shared memory holds only the staged rows; registers hold the loads in flight (one block an
 // SM of up to 255 a thread: at 128, two blocks an SM, the buffers spilled to local memory).
-__device__ __forceinline__ uint4 LoadWeights16(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 template <int kTiles>
 struct Fp8Fragments {
@@ -771,10 +764,10 @@ __device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, uint8_t* s
 #pragma unroll
     for (int q = 0; q < kTiles; ++q) {
       const uint8_t* src = weights + c.offset + q * up_bytes;
-      f.a[q][0] = LoadWeights16(src);
-      f.a[q][1] = LoadWeights16(src + 64);
-      f.a[q][2] = LoadWeights16(src + 8 * k32);
-      f.a[q][3] = LoadWeights16(src + 8 * k32 + 64);
+      f.a[q][0] = LoadStreamingBytes(src);
+      f.a[q][1] = LoadStreamingBytes(src + 64);
+      f.a[q][2] = LoadStreamingBytes(src + 8 * k32);
+      f.a[q][3] = LoadStreamingBytes(src + 8 * k32 + 64);
       f.w_scale[q] = __ldg(s.scale + c.scale_offset + q * up_scales);
     }
   };

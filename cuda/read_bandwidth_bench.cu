@@ -14,18 +14,12 @@
 #include <vector>
 
 #include "bench_timing.h"
+#include "bf16_vector.cuh"
 
 namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ uint4 LoadStreaming16(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 __device__ __forceinline__ unsigned SmemAddress(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -45,7 +39,7 @@ __global__ void __launch_bounds__(kThreads) Contiguous(const uint8_t* src, int64
 #pragma unroll
     for (int d = 0; d < kDepth; ++d) {
       const int64_t at = offset + d * kThreads * 16;
-      v[d] = at < share ? LoadStreaming16(base + at) : uint4{};
+      v[d] = at < share ? jax_moe::LoadStreamingBytes(base + at) : uint4{};
     }
 #pragma unroll
     for (int d = 0; d < kDepth; ++d) folded ^= v[d].x ^ v[d].w;
@@ -72,10 +66,10 @@ __global__ void __launch_bounds__(kThreads, 1) TileRegisters(const uint8_t* src,
       for (int d = 0; d < kDepth; ++d) {
         const uint8_t* p = row + (kb + d) * 128;
         const bool in = kb + d < kb1;
-        v[d][0] = in ? LoadStreaming16(p) : uint4{};
-        v[d][1] = in ? LoadStreaming16(p + 64) : uint4{};
-        v[d][2] = in ? LoadStreaming16(p + 8 * k) : uint4{};
-        v[d][3] = in ? LoadStreaming16(p + 8 * k + 64) : uint4{};
+        v[d][0] = in ? jax_moe::LoadStreamingBytes(p) : uint4{};
+        v[d][1] = in ? jax_moe::LoadStreamingBytes(p + 64) : uint4{};
+        v[d][2] = in ? jax_moe::LoadStreamingBytes(p + 8 * k) : uint4{};
+        v[d][3] = in ? jax_moe::LoadStreamingBytes(p + 8 * k + 64) : uint4{};
       }
 #pragma unroll
       for (int d = 0; d < kDepth; ++d)
