@@ -452,8 +452,19 @@ struct Fp8DecodeGemmArgs {
 
 // Shared memory, dynamic: the pass's rows quantised [pass_rows][K + pad] bytes and their scales
 // [pass_rows][K / 128] (Fp8StagingBytes), then each warp's ring of `stages` slots: kTiles K blocks of
-// its tiles and their kTiles weight scales (Fp8SlotBytes).
-__host__ __device__ constexpr int64_t Fp8SlotBytes(int tiles) { return tiles * kFp8TileBytes + 16; }
+// its tiles and their kTiles weight scales (Fp8SlotBytes), the rings and every slot starting on a
+// 128-byte boundary. (With 16 bytes of scales a slot, every other slot sat 16 bytes off a 32-byte
+// boundary, and its cp.async copies went out unmerged: ncu counted 32 sectors for a warp's 512
+// bytes where 16 hold them, a third of the ring kernel's L2 requests in excess:
+// notebooks/results/fp8_decode_ring_ncu_source_h200.txt.)
+constexpr int64_t kFp8SlotAlign = 128;
+__host__ __device__ constexpr int64_t Fp8SlotBytes(int tiles) { return tiles * kFp8TileBytes + kFp8SlotAlign; }
+// The first 128-byte boundary at or after p in shared memory (the dynamic block's start is only
+// 16-byte aligned): Fp8DecodeSmem leaves kFp8SlotAlign bytes for the step.
+__device__ __forceinline__ uint8_t* AlignSlots(uint8_t* p) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  return p + ((kFp8SlotAlign - (address & (kFp8SlotAlign - 1))) & (kFp8SlotAlign - 1));
+}
 __host__ __device__ inline int64_t Fp8StagingBytes(int64_t rows, int64_t k) { return (rows * (k + kFp8RowPad) + rows * (k / kFp8Block) * 4 + 15) / 16 * 16; }
 
 // Each warp's float32 sums of its tiles' C fragments, for the block's in-order reduction.
@@ -854,7 +865,7 @@ __global__ void __launch_bounds__(kThreads, kDepth == 0 ? 2 : 1) Fp8DecodeKernel
       s.group_rows = static_cast<int>(p.shared_count);
     }
     if constexpr (kDepth == 0)
-      Fp8RingSegment<kGated, kSlices>(s, staged, staged + p.ring_offset, p.stages, partial);
+      Fp8RingSegment<kGated, kSlices>(s, staged, AlignSlots(staged + p.ring_offset), p.stages, partial);
     else
       Fp8StreamSegment<kGated, kSlices, kDepth>(s, staged, partial);
   }
@@ -884,10 +895,10 @@ int Fp8RunsPerBlock(int64_t runs, int64_t slots, int per_sm) {
 }
 
 // Dynamic shared memory of a launch: `staging` bytes of staged rows (the most of its products'),
-// then, for the ring, `stages` slots a warp.
+// then, for the ring, `stages` slots a warp from the next 128-byte boundary.
 template <bool kGated>
 int64_t Fp8DecodeSmem(int64_t staging, int stages) {
-  return staging + kWarps * stages * Fp8SlotBytes(kGated ? 2 : 1);
+  return staging + kFp8SlotAlign + kWarps * stages * Fp8SlotBytes(kGated ? 2 : 1);
 }
 // The deepest ring (up to the cap, at least 2) that fits beside the staged rows, or 0. The cap is
 // kFp8DefaultStages, or JAX_MOE_FP8_DECODE_STAGES (2 to 4: a knob for measuring the ring), read once.
@@ -990,7 +1001,7 @@ cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, int pass_rows, cudaStream_t 
 }
 
 // 16 rows a pass where asked, an expert can own more than 8, and their staging and a ring fit (at
-// 2 slots: K up to 8,960 for gate/up, 11,392 for down), else 8; no more rows staged than an expert
+// 2 slots: K up to 8,832 for gate/up, 11,264 for down), else 8; no more rows staged than an expert
 // can own (group_rows, when known).
 template <bool kGated>
 cudaError_t LaunchFp8DecodeRows(const Fp8DecodeGemmArgs& args, int rows_per_pass, int64_t group_rows,
