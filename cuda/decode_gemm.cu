@@ -924,8 +924,11 @@ int Fp8Stages(int64_t staging) {
 // schedule's ranges long. Measured on the H200 (notebooks/results/fp8_decode_ring_h200.md): kernel
 // us per call of routed experts alone, ring vs stream, Qwen3-30B T = 1 21.9 vs 24.6, Mixtral T = 1
 // 107.0 vs 112.5; the layer with DeepSeek-V3's shared expert riding at T = 1, 149 us a layer on the
-// stream kernel vs 161 on the ring. JAX_MOE_FP8_DECODE_KERNEL=ring or =stream takes that one for
-// every launch, for measuring one against the other (the same bits). Read once.
+// stream kernel vs 161 on the ring. With the ring's slots aligned (fp8_decode_aligned_h200.md), the
+// riding layer at T = 1 took 151 us on the stream vs 154 on the ring for DeepSeek-V3, and 88.7 vs 83.4
+// for Qwen3.5-397B: no clear winner, so riding stays on the stream. JAX_MOE_FP8_DECODE_KERNEL=ring or
+// =stream takes that one for every launch, for measuring one against the other (the same bits). Read
+// once.
 bool Fp8UsesRing(const Fp8DecodeGemmArgs& args) {
   static const int forced = [] {  // 1 ring, 2 stream, 0 neither
     const char* value = std::getenv("JAX_MOE_FP8_DECODE_KERNEL");
