@@ -35,6 +35,12 @@ constexpr int kMaxGroups = 32;
 constexpr int kMaxSlices = 8;                     // slices of H: the last block reads 8 x T x E sums
 constexpr int kPairsAtOnce = 4;                   // pairs whose sums a thread loads at once
 
+// Phase marks for cuda/route_phase_bench.cu, which defines the macro before including this file to
+// time each phase of the kernel; nothing in the module's build.
+#ifndef JAX_MOE_ROUTE_MARK
+#define JAX_MOE_ROUTE_MARK(phase)
+#endif
+
 __device__ __forceinline__ float WarpMax(float v) {
   for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(~0u, v, d));
   return v;
@@ -95,6 +101,7 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
   }
   if (threadIdx.x == 0) *a.counter = 0;  // for the next call (stream order publishes it)
   __syncthreads();
+  JAX_MOE_ROUTE_MARK(3);  // the slices summed
 
   if (a.sigmoid) {
     for (int i = threadIdx.x; i < pairs; i += kThreads) scores[i] = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-scores[i])));
@@ -117,6 +124,7 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
   for (int i = threadIdx.x; i < pairs; i += kThreads)
     choice[i] = a.bias != nullptr ? __fadd_rn(scores[i], a.bias[i % num_experts]) : scores[i];
   __syncthreads();
+  JAX_MOE_ROUTE_MARK(4);  // scores and choices
 
   if (a.n_group > 1) {
     const int n_group = static_cast<int>(a.n_group), group_size = num_experts / n_group;
@@ -152,6 +160,7 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
     __syncthreads();
   }
 
+  JAX_MOE_ROUTE_MARK(5);  // the group limit
   // One warp per token takes its k best choices in k rounds of a warp arg-max (greater first, ties
   // to the lower index, as lax.top_k). Lane l holds experts l, l + 32, ...; lane j keeps the j-th.
   for (int t = warp; t < num_tokens; t += kWarps) {
@@ -189,6 +198,7 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
     }
   }
   __syncthreads();
+  JAX_MOE_ROUTE_MARK(6);  // the top k
   for (int i = threadIdx.x; i < num_tokens * top_k; i += kThreads) {
     const int t = i / top_k, j = i % top_k;
     float weight = s.route.chosen_score[t][j];
@@ -201,11 +211,13 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
     a.topk_weights[i] = weight;
     a.topk_ids[i] = s.route.chosen_id[t][j];
   }
+  JAX_MOE_ROUTE_MARK(7);  // the weights written
 }
 
 template <int kTokens>
 __global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a, int64_t slice_rows) {
   __shared__ RouteShared s;
+  JAX_MOE_ROUTE_MARK(0);  // the block starts
   const int64_t hidden = a.hidden, num_experts = a.num_experts;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int vec = lane % kLanesPerRow, lane_k = lane / kLanesPerRow;
@@ -269,6 +281,7 @@ __global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a,
       for (int c = 0; c < 8; ++c) s.warp_parts[warp][t][vec * 8 + c] = acc[t][c];
   }
   __syncthreads();
+  JAX_MOE_ROUTE_MARK(1);  // the block's products reduced to its warps' parts
   for (int i = threadIdx.x; i < tokens * kTileExperts; i += kThreads) {
     const int t = i / kTileExperts, j = i % kTileExperts;
     const int64_t e = static_cast<int64_t>(blockIdx.x) * kTileExperts + j;
@@ -287,6 +300,7 @@ __global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a,
     s.is_last = atomicAdd(a.counter, 1) == blocks - 1;
   }
   __syncthreads();
+  JAX_MOE_ROUTE_MARK(2);  // the block's sums published and counted in
   if (!s.is_last) return;
   __threadfence();
   Route(a, static_cast<int>(gridDim.y), s);
