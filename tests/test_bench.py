@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import re
+from unittest import mock
 
 import jax
 import pytest
@@ -205,6 +206,29 @@ def test_decode_suite_reports_roofline_of_the_bytes_read():
     assert any("copy ceiling" in n for n in notes)
     text = decode_suite.table(rows)
     assert "roofline" in text and TINY.label in text
+
+
+def test_decode_suite_measures_each_model_in_a_process_of_its_own_when_asked():
+    """isolate=True (a GPU's default for several models, so that each model's device memory is freed
+    before the next): the rows come from a child process and describe the same routing as the rows
+    measured here; a peer's rows pass through; a child that fails is a note, not an exception."""
+    here, _ = decode_suite.run([TINY], (2,), timing.Clock(), 1, with_peer=False, isolate=False)
+    peer = {2: {"us_per_layer": 123.0}}
+    child = decode_suite.measure_model_in_child(TINY, (2,), None, peer, timeout_s=300)
+    by_impl = {r["impl"]: r for r in child}
+    assert set(by_impl) == {*(r["impl"] for r in here), "peer"}
+    assert by_impl["peer"]["us_per_layer"] == 123.0
+    for row in here:
+        got = by_impl[row["impl"]]
+        # The same draws and routing in both processes: the same experts read, bytes and tile.
+        for key in ("T", "layers", "active_experts", "bytes_per_layer", "tile"):
+            assert got[key] == row[key], (key, got[key], row[key])
+        assert got["us_per_layer"] > 0
+    with pytest.raises(ValueError, match="model"):
+        decode_suite.measure_model_in_child(dataclasses.replace(TINY, ffn_size=64), (2,), None, None)
+    with mock.patch.object(decode_suite.subprocess, "run", return_value=mock.Mock(returncode=1)):
+        rows, notes = decode_suite.run([TINY], (2,), timing.Clock(), 1, with_peer=False, isolate=True)
+    assert rows == [] and any("decode tiny: failed" in n and "status 1" in n for n in notes)
 
 
 def test_decode_suite_cutlass_variant_switches_off_every_decode_pick():

@@ -27,6 +27,13 @@ averaged over layers) plus the shared expert and the router. At T <= 64 bytes bo
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +42,7 @@ import numpy as np
 import jax_moe
 from jax_moe import experts, fp8, gemm
 from jax_moe.bench import timing, torch_peer
+from jax_moe.bench.models import MODELS as MODEL_SHAPES
 from jax_moe.bench.models import ROW_DTYPE, ModelShape
 from jax_moe.bench.stack_suite import init_stack_params
 
@@ -200,9 +208,51 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
     return rows
 
 
+def measure_model_in_child(model: ModelShape, token_counts, copy_gbs, peer: dict | None,
+                           timeout_s: float | None = None) -> list[dict]:
+    """``measure_model`` in a process of its own (``python -m jax_moe.bench.decode_suite SPEC OUT``).
+
+    Its device memory goes back to the card when it exits. In one process, Qwen3.5-397B (103 GB of
+    bf16 experts in its 8-layer stack) ran out of memory as the suite's fourth model, where alone it
+    runs: the allocator had kept what the models before it took. The child inherits the environment
+    (the CLI's ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: this process must not hold the card), and its
+    log lines go to this process's stdout and stderr. Raises RuntimeError when it gives no rows.
+    """
+    if model.name not in MODEL_SHAPES or MODEL_SHAPES[model.name] != model:
+        raise ValueError(f"measure_model_in_child: model: expected one of jax_moe.bench.models.MODELS, "
+                         f"got {model.name!r}")
+    with tempfile.TemporaryDirectory() as folder:
+        spec, out = pathlib.Path(folder, "spec.json"), pathlib.Path(folder, "rows.json")
+        spec.write_text(json.dumps({"model": model.name, "tokens": list(token_counts), "copy_gbs": copy_gbs,
+                                    "peer": peer}))
+        try:
+            done = subprocess.run([sys.executable, "-m", "jax_moe.bench.decode_suite", str(spec), str(out)],
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"its process ran past {timeout_s:.0f} s") from None
+        if done.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"its process exited with status {done.returncode} (its log is above)")
+        return json.loads(out.read_text())
+
+
+def _child_main(argv: list[str]) -> None:
+    """The child of ``measure_model_in_child``: SPEC (model, tokens, copy rate, peer rows) -> OUT (rows)."""
+    spec_path, out_path = argv
+    spec = json.loads(pathlib.Path(spec_path).read_text())
+    peer = None if spec["peer"] is None else {int(t): r for t, r in spec["peer"].items()}  # JSON keys are str
+    rows = measure_model(MODEL_SHAPES[spec["model"]], tuple(spec["tokens"]), timing.Clock(), spec["copy_gbs"], peer)
+    pathlib.Path(out_path).write_text(json.dumps(rows))
+
+
 def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_limit_s=None, on_rows=None,
-        with_peer: bool = True):
+        with_peer: bool = True, isolate: bool | None = None):
+    """Every model's rows and the notes. isolate: each model in a process of its own
+    (``measure_model_in_child``); by default for more than one model on a GPU, when this process
+    does not preallocate the card's memory (as the CLI sets it)."""
     del compile_threads  # one program at a time: each holds the model's weights
+    if isolate is None:
+        isolate = (len(models) > 1 and jax.default_backend() == "gpu"
+                   and os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() == "false")
     from jax_moe.bench.gemm_suite import copy_ceiling_gbs
     notes = []
     # Every peer first, before JAX holds any of the card (two allocators on one card fail falsely).
@@ -220,9 +270,13 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_
     for model in models:
         if clock.out_of_time(time_limit_s, notes, f"decode {model.name}"):
             break
-        timing.measure_isolated(rows, notes, clock, f"decode {model.name}: failed",
-                                lambda: measure_model(model, token_counts, clock, copy, peers.get(model.name)),
-                                on_rows)
+        if isolate:
+            remaining = None if time_limit_s is None else max(60.0, time_limit_s - clock.elapsed())
+            measure = functools.partial(measure_model_in_child, model, token_counts, copy, peers.get(model.name),
+                                        remaining)
+        else:
+            measure = functools.partial(measure_model, model, token_counts, clock, copy, peers.get(model.name))
+        timing.measure_isolated(rows, notes, clock, f"decode {model.name}: failed", measure, on_rows)
     return rows, notes
 
 
@@ -260,3 +314,7 @@ def markdown(record: dict) -> str:
     lines = header_block("Decode: whole stack vs the weight-read roofline (suite decode)", record["meta"],
                          record.get("elapsed_s", 0.0), record["method"], record["notes"])
     return "\n".join(lines) + "\n\n" + table(record["rows"]) + "\n"
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])
