@@ -7,9 +7,10 @@
 // across SMs) and clock64 (cycles of its own SM) at:
 //   0 start, 1 products reduced to the warps' parts, 2 sums published and counted in (every block);
 //   3 slices summed, 4 scores and choices, 5 group limit, 6 top k, 7 weights written (the last block).
-// Per case it prints the kernel's time with the router's weights in L2 (a graph of launches) and
-// cold (L2 overwritten before each launch, as in a layer, where the experts' weights evict it),
-// then the cold launches' phases, averaged.
+// Per case it prints the kernel's time with the router's weights in L2 (a graph of launches), cold
+// (L2 overwritten before each launch, as in a layer, where the experts' weights evict it), and cold
+// with its code too (a kernel of 256 KB of code runs on every SM before each launch, as the experts'
+// launches do in a layer), then the phases of the last, averaged.
 // On the GPU machine, repository root:
 //   nvcc -std=c++17 -O3 --fmad=false -gencode=arch=compute_90a,code=sm_90a cuda/route_phase_bench.cu -o /tmp/rpb && /tmp/rpb
 #include <cuda_bf16.h>
@@ -89,6 +90,15 @@ std::vector<__nv_bfloat16> ToBf16(const std::vector<float>& v) {
   return out;
 }
 
+// 16384 distinct fused multiply-adds (256 KB of code) on every SM: the router's code leaves the SMs'
+// instruction caches, and L2 after the eviction's memset.
+__global__ void EvictCode(float* out, float seed) {
+  float v = seed + static_cast<float>(threadIdx.x);
+#pragma unroll
+  for (int i = 0; i < 16384; ++i) v = __fmaf_rn(v, 1.0001f, static_cast<float>(i) * 0.5f);
+  if (v == 12345.0f) out[0] = v;
+}
+
 void Run(const Case& c, int64_t tokens, uint8_t* evict, size_t evict_bytes, cudaStream_t stream) {
   const int64_t slices = jax_moe::DecodeRouteSlices(c.hidden);
   const int64_t blocks = (c.experts + 63) / 64 * slices * ((tokens + 7) / 8);
@@ -122,19 +132,26 @@ void Run(const Case& c, int64_t tokens, uint8_t* evict, size_t evict_bytes, cuda
   cudaEvent_t start, stop;
   CK(cudaEventCreate(&start));
   CK(cudaEventCreate(&stop));
-  std::vector<float> cold_ms;
+  std::vector<float> cold_ms, code_cold_ms;
   std::vector<double> phase_ns(kRoutePhases, 0.0), phase_cycles(kRoutePhases, 0.0);
   double counted_in_median_ns = 0, counted_in_max_ns = 0, last_arrival_ns = 0, block_work_ns = 0;
-  for (int r = 0; r < kCold; ++r) {
+  for (int r = 0; r < 2 * kCold; ++r) {
+    const bool code_cold = r >= kCold;  // the phases: of these launches
     CK(cudaMemsetAsync(evict, r & 0xff, evict_bytes, stream));
+    if (code_cold) EvictCode<<<264, 128, 0, stream>>>(reinterpret_cast<float*>(evict), static_cast<float>(r));
     CK(cudaEventRecord(start, stream));
     CK(jax_moe::LaunchDecodeRoute(a, stream));
     CK(cudaEventRecord(stop, stream));
     CK(cudaEventSynchronize(stop));
     float ms;
     CK(cudaEventElapsedTime(&ms, start, stop));
-    cold_ms.push_back(ms);
+    (code_cold ? code_cold_ms : cold_ms).push_back(ms);
     std::vector<unsigned long long> t(jax_moe_bench::kMaxBlocks * jax_moe_bench::kMarks);
+    if (!code_cold) {  // zero the marks: the next launch's last block may be another one
+      std::vector<unsigned long long> zeros(t.size(), 0);
+      CK(cudaMemcpyToSymbol(jax_moe_bench::g_time, zeros.data(), zeros.size() * sizeof(zeros[0])));
+      continue;
+    }
     std::vector<long long> clk(t.size());
     CK(cudaMemcpyFromSymbol(t.data(), jax_moe_bench::g_time, t.size() * sizeof(t[0])));
     CK(cudaMemcpyFromSymbol(clk.data(), jax_moe_bench::g_clock, clk.size() * sizeof(clk[0])));
@@ -164,6 +181,7 @@ void Run(const Case& c, int64_t tokens, uint8_t* evict, size_t evict_bytes, cuda
     CK(cudaMemcpyToSymbol(jax_moe_bench::g_time, zeros.data(), zeros.size() * sizeof(zeros[0])));
   }
   std::sort(cold_ms.begin(), cold_ms.end());
+  std::sort(code_cold_ms.begin(), code_cold_ms.end());
 
   // Sanity: the counter is back at zero, every token's ids are distinct and in range.
   int32_t count_after;
@@ -178,14 +196,14 @@ void Run(const Case& c, int64_t tokens, uint8_t* evict, size_t evict_bytes, cuda
       for (int64_t m = 0; m < j; ++m) ok = ok && host_ids[tk * c.top_k + m] != id;
     }
 
-  printf("%-12s T=%ld  %ld blocks  warm %6.2f us  cold %6.2f us (median of %d)  %s\n", c.name,
-         static_cast<long>(tokens), static_cast<long>(blocks), warm_us, cold_ms[kCold / 2] * 1000.0, kCold,
-         ok ? "ids ok" : "BAD IDS OR COUNTER");
-  printf("    from the first block's start, ns: products reduced %.0f (a block's mean), counted in %.0f (median) "
+  printf("%-12s T=%ld  %ld blocks  warm %6.2f us  cold %6.2f us  code cold too %6.2f us (medians of %d)  %s\n",
+         c.name, static_cast<long>(tokens), static_cast<long>(blocks), warm_us, cold_ms[kCold / 2] * 1000.0,
+         code_cold_ms[kCold / 2] * 1000.0, kCold, ok ? "ids ok" : "BAD IDS OR COUNTER");
+  printf("    code cold, from the first block's start, ns: products reduced %.0f (a block's mean), counted in %.0f (median) "
          "%.0f (last), the routing block's arrival %.0f\n", block_work_ns / kCold, counted_in_median_ns / kCold,
          counted_in_max_ns / kCold, last_arrival_ns / kCold);
   const char* names[] = {"slices summed", "scores", "group limit", "top k", "weights"};
-  printf("    the routing block, ns (cycles):");
+  printf("    the routing block (code cold), ns (cycles):");
   for (int m = 0; m < kRoutePhases; ++m) printf("  %s %.0f (%.0f)", names[m], phase_ns[m] / kCold, phase_cycles[m] / kCold);
   printf("\n");
   CK(cudaEventDestroy(start));

@@ -213,6 +213,9 @@ DECODE_ROUTE_CASES = {  # (config kwargs, tokens): the models' router shapes at 
     "deepseek-like-T2": (dict(num_experts=256, top_k=8, hidden_size=7168), 2),
     "qwen35-like-T8": (dict(num_experts=512, top_k=10, hidden_size=4096), 8),
     "small-H-k-equals-E": (dict(num_experts=16, top_k=16, hidden_size=136), 5),
+    # Experts 2i and 2i + 1 share a router column: their logits are equal bitwise, every choice
+    # is a tie, broken to the lower expert as lax.top_k does.
+    "tied-pairs-T4": (dict(num_experts=64, top_k=7, hidden_size=512), 4),
 }
 
 
@@ -221,9 +224,15 @@ def _decode_route_inputs(case, with_bias):
     kwargs, num_tokens = DECODE_ROUTE_CASES[case]
     rng = np.random.default_rng(num_tokens * 7 + kwargs["num_experts"])
     hidden, experts = kwargs["hidden_size"], kwargs["num_experts"]
-    router = jnp.asarray(rng.standard_normal((hidden, experts)) / np.sqrt(hidden), jnp.bfloat16)
+    router = rng.standard_normal((hidden, experts)) / np.sqrt(hidden)
+    if case.startswith("tied"):
+        router = np.repeat(router[:, ::2], 2, axis=1)
+    router = jnp.asarray(router, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
-    bias = jnp.asarray(rng.standard_normal(experts) / 8, F32) if with_bias else None
+    bias = rng.standard_normal(experts) / 8
+    if case.startswith("tied"):
+        bias = np.repeat(bias[::2], 2)
+    bias = jnp.asarray(bias, F32) if with_bias else None
     return router, x, bias
 
 
@@ -268,6 +277,8 @@ def test_gpu_decode_route_matches_route_logits(case, name, with_bias):
     exact, magnitude = x64 @ router64, np.abs(x64) @ np.abs(router64)
     np.testing.assert_array_less(np.abs(logits - exact), 3e-6 * magnitude + 1e-30)
     np.testing.assert_array_less(np.abs(want_logits - exact), 3e-6 * magnitude + 1e-30)
+    if case.startswith("tied"):  # the ties this case is for do happen
+        np.testing.assert_array_equal(logits[:, ::2], logits[:, 1::2])
     want_weights, want_ids = routing.route_logits(jnp.asarray(logits), config, bias)
     np.testing.assert_array_equal(ids, np.asarray(want_ids))
     np.testing.assert_allclose(weights, np.asarray(want_weights), rtol=4e-6, atol=1e-7)

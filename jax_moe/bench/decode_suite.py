@@ -210,7 +210,7 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
 
 def measure_model_in_child(model: ModelShape, token_counts, copy_gbs, peer: dict | None,
                            timeout_s: float | None = None) -> list[dict]:
-    """``measure_model`` in a process of its own (``python -m jax_moe.bench.decode_suite SPEC OUT``).
+    """``measure_model`` in a process of its own (``_child_main(SPEC, OUT)``).
 
     Its device memory goes back to the card when it exits. In one process, Qwen3.5-397B (103 GB of
     bf16 experts in its 8-layer stack) ran out of memory as the suite's fourth model, where alone it
@@ -226,13 +226,16 @@ def measure_model_in_child(model: ModelShape, token_counts, copy_gbs, peer: dict
         spec.write_text(json.dumps({"model": model.name, "tokens": list(token_counts), "copy_gbs": copy_gbs,
                                     "peer": peer}))
         try:
-            done = subprocess.run([sys.executable, "-m", "jax_moe.bench.decode_suite", str(spec), str(out)],
-                                  timeout=timeout_s)
+            # -c, not -m: jax_moe.bench imports this module, and runpy warns when -m runs it again.
+            done = subprocess.run([sys.executable, "-c", _CHILD, str(spec), str(out)], timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"its process ran past {timeout_s:.0f} s") from None
         if done.returncode != 0 or not out.is_file():
             raise RuntimeError(f"its process exited with status {done.returncode} (its log is above)")
         return json.loads(out.read_text())
+
+
+_CHILD = "import sys; from jax_moe.bench.decode_suite import _child_main; _child_main(sys.argv[1:])"
 
 
 def _child_main(argv: list[str]) -> None:
@@ -315,6 +318,3 @@ def markdown(record: dict) -> str:
                          record.get("elapsed_s", 0.0), record["method"], record["notes"])
     return "\n".join(lines) + "\n\n" + table(record["rows"]) + "\n"
 
-
-if __name__ == "__main__":
-    _child_main(sys.argv[1:])
