@@ -30,7 +30,6 @@ constexpr int kMaxTokens = 16;
 constexpr int kMaxPairs = 4096;                   // T * E held in shared memory
 constexpr int kMaxTopK = 32;
 constexpr int kMaxExperts = 512;
-constexpr int kMaxPerLane = kMaxExperts / 32;
 constexpr int kMaxGroups = 32;
 constexpr int kMaxSlices = 16;                    // slices of H: the last block reads up to 16 x T x E sums
 constexpr int kPairsAtOnce = 4;                   // pairs whose sums a thread loads at once
@@ -74,107 +73,45 @@ __device__ __forceinline__ unsigned ChoiceKey(float v) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// A lane's best expert not yet chosen, as (key << 32) | 2^31 | (kPerLane - 1 - slot): the largest
-// is the best, the lower slot among equal keys; 0 if none is left. A tree, not a chain of compares.
-template <int kPerLane>
-__device__ __forceinline__ uint64_t LaneBest(const unsigned (&key)[kPerLane], unsigned left) {
-  uint64_t best[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i)
-    best[i] = (left >> i & 1) ? (static_cast<uint64_t>(key[i]) << 32 | 0x80000000u | (kPerLane - 1 - i)) : 0;
-#pragma unroll
-  for (int width = 1; width < kPerLane; width *= 2)
-#pragma unroll
-    for (int i = 0; i + width < kPerLane; i += 2 * width) best[i] = best[i] > best[i + width] ? best[i] : best[i + width];
-  return best[0];
-}
-
-// One token, routed by one warp from its logits in shared memory. Lane l holds experts l, l + 32,
-// ... (kPerLane of them, 32 * kPerLane >= E) in registers: the softmax or sigmoid, the choices, the
-// group limit, the top k and the weights, with no block-wide barrier. The sums run in the order the
-// block-wide version of this kernel used (a lane's experts in order, then a butterfly), so the
-// results are the same bits.
-template <int kPerLane>
+// One token, routed by one warp in the token's rows of shared memory: lane l takes experts l,
+// l + 32, ... The scores, the choices, the group limit, the top k and the weights, with no
+// block-wide barrier. The loops stay rolled: in a layer this code is cold (the experts' launches
+// between two routers evict it), and unrolled register versions of it, faster here with the code
+// warm, were slower in a layer. The sums run in the order the earlier block-wide version used (a
+// lane's experts in order, then a butterfly): the same bits.
 __device__ void RouteToken(const DecodeRouteArgs& a, int t, RouteShared& s) {
   const int num_experts = static_cast<int>(a.num_experts), top_k = static_cast<int>(a.top_k);
   const int lane = threadIdx.x & 31;
-  float* row = s.route.logits + t * num_experts;
-  float score[kPerLane];
-  bool present[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    present[i] = i * 32 + lane < num_experts;
-    score[i] = present[i] ? row[i * 32 + lane] : -INFINITY;
-  }
+  float* row = s.route.logits + t * num_experts;     // the logits, then the scores
+  float* choice = s.route.choice + t * num_experts;  // the choices, then their keys
   if (a.sigmoid) {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i)
-      if (present[i]) score[i] = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-score[i])));
+    for (int e = lane; e < num_experts; e += 32) row[e] = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-row[e])));
   } else {
     float most = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) most = fmaxf(most, score[i]);
+    for (int e = lane; e < num_experts; e += 32) most = fmaxf(most, row[e]);
     most = WarpMax(most);
     float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i)
-      if (present[i]) {
-        score[i] = expf(__fsub_rn(score[i], most));
-        sum = __fadd_rn(sum, score[i]);
-      }
-    sum = WarpSum(sum);
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i)
-      if (present[i]) score[i] = __fdiv_rn(score[i], sum);
-  }
-  // The scores replace the logits in the token's row: the weights are looked up there.
-  float choice[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i)
-    if (present[i]) {
-      row[i * 32 + lane] = score[i];
-      choice[i] = a.bias != nullptr ? __fadd_rn(score[i], s.route.bias[i * 32 + lane]) : score[i];
-    } else {
-      choice[i] = -INFINITY;
+    for (int e = lane; e < num_experts; e += 32) {
+      row[e] = expf(__fsub_rn(row[e], most));
+      sum = __fadd_rn(sum, row[e]);
     }
+    sum = WarpSum(sum);
+    for (int e = lane; e < num_experts; e += 32) row[e] = __fdiv_rn(row[e], sum);
+  }
+  for (int e = lane; e < num_experts; e += 32)
+    choice[e] = a.bias != nullptr ? __fadd_rn(row[e], s.route.bias[e]) : row[e];
+  __syncwarp();
   JAX_MOE_ROUTE_MARK(4);  // scores and choices
 
-  // Groups scored by their two best choices; only the topk_group best stay eligible (ties to the
-  // lower group).
-  const int n_group = static_cast<int>(a.n_group), group_size = num_experts / n_group;
-  if (n_group > 1 && group_size == 32) {
-    // A group per slot (DeepSeek-V3): the two best of each by a butterfly, in registers.
-    float group_score[kPerLane];
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      float first = choice[i], second = -INFINITY;
-#pragma unroll
-      for (int d = 16; d > 0; d >>= 1) {
-        const float other_first = __shfl_xor_sync(~0u, first, d), other_second = __shfl_xor_sync(~0u, second, d);
-        second = fmaxf(fminf(first, other_first), fmaxf(second, other_second));
-        first = fmaxf(first, other_first);
-      }
-      group_score[i] = __fadd_rn(first, second);
-    }
-#pragma unroll
-    for (int g = 0; g < kPerLane; ++g) {
-      int rank = 0;
-#pragma unroll
-      for (int h = 0; h < kPerLane; ++h)
-        if (h < n_group) rank += (group_score[h] > group_score[g]) || (group_score[h] == group_score[g] && h < g);
-      if (rank >= a.topk_group) choice[g] = -INFINITY;
-    }
-  } else if (n_group > 1) {
-    // Other group sizes: lane g takes group g, the warp's choices through shared memory.
-    float* choices = s.route.choice + t * num_experts;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i)
-      if (present[i]) choices[i * 32 + lane] = choice[i];
-    __syncwarp();
+  if (a.n_group > 1) {
+    // Groups scored by their two best choices; only the topk_group best stay eligible (ties to
+    // the lower group). Lane g takes group g, from a different member each (no bank conflicts):
+    // the two best do not depend on the order.
+    const int n_group = static_cast<int>(a.n_group), group_size = num_experts / n_group;
     if (lane < n_group) {
       float first = -INFINITY, second = -INFINITY;
       for (int m = 0; m < group_size; ++m) {
-        const float v = choices[lane * group_size + m];
+        const float v = choice[lane * group_size + (m + lane) % group_size];
         if (v > first) {
           second = first;
           first = v;
@@ -195,37 +132,38 @@ __device__ void RouteToken(const DecodeRouteArgs& a, int t, RouteShared& s) {
       s.route.eligible[t][lane] = rank < a.topk_group;
     }
     __syncwarp();
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i)
-      if (present[i] && !s.route.eligible[t][(i * 32 + lane) / group_size]) choice[i] = -INFINITY;
+    for (int e = lane; e < num_experts; e += 32)
+      if (!s.route.eligible[t][e / group_size]) choice[e] = -INFINITY;
   }
   JAX_MOE_ROUTE_MARK(5);  // the group limit
 
   // The top k in k rounds: the warp's largest key (one max instruction), then the lowest expert
-  // holding it (one min instruction), as lax.top_k breaks ties. Each lane keeps its own best.
-  unsigned key[kPerLane];
-  unsigned left = 0;  // bit i: expert i * 32 + lane exists and is not chosen yet
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    key[i] = ChoiceKey(choice[i]);
-    left |= static_cast<unsigned>(present[i]) << i;
-  }
-  uint64_t best = LaneBest<kPerLane>(key, left);
+  // holding it (one min instruction), as lax.top_k breaks ties. Each lane keeps its best left,
+  // and only the lane that lost it looks again.
+  unsigned* keys = reinterpret_cast<unsigned*>(choice);
+  for (int e = lane; e < num_experts; e += 32) keys[e] = ChoiceKey(choice[e]);
+  unsigned taken = 0;  // bit i: expert i * 32 + lane is chosen
+  unsigned best_key = 0;
+  auto lane_best = [&] {  // slot of the lane's best left (the lower among equal keys), -1 if none
+    int best = -1;
+    for (int i = 0, e = lane; e < num_experts; ++i, e += 32)
+      if (!(taken >> i & 1) && (best < 0 || keys[e] > best_key)) best = i, best_key = keys[e];
+    return best;
+  };
+  int best = lane_best();
   int chosen = 0;
   for (int j = 0; j < top_k; ++j) {
-    const unsigned best_key = static_cast<unsigned>(best >> 32);
-    const int slot = kPerLane - 1 - static_cast<int>(best & 0xffff);
-    const unsigned most = __reduce_max_sync(~0u, best != 0 ? best_key : 0u);
-    const unsigned index = __reduce_min_sync(~0u, best != 0 && best_key == most ? slot * 32 + lane : UINT_MAX);
+    const unsigned most = __reduce_max_sync(~0u, best >= 0 ? best_key : 0u);
+    const unsigned index = __reduce_min_sync(~0u, best >= 0 && best_key == most ? best * 32 + lane : UINT_MAX);
     if (lane == j) chosen = static_cast<int>(index);
     if ((index & 31) == static_cast<unsigned>(lane)) {
-      left &= ~(1u << slot);
-      best = LaneBest<kPerLane>(key, left);
+      taken |= 1u << best;
+      best = lane_best();
     }
   }
   JAX_MOE_ROUTE_MARK(6);  // the top k
 
-  __syncwarp();  // the scores in the row
+  __syncwarp();
   const float chosen_score = lane < top_k ? row[chosen] : 0.0f;
   float sum = 0.0f;
   if (a.renormalize)
@@ -283,17 +221,7 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
   __syncthreads();
   JAX_MOE_ROUTE_MARK(3);  // the slices summed
   for (int t = warp; t < num_tokens; t += kWarps) {
-    if (num_experts <= 32) {
-      RouteToken<1>(a, t, s);
-    } else if (num_experts <= 64) {
-      RouteToken<2>(a, t, s);
-    } else if (num_experts <= 128) {
-      RouteToken<4>(a, t, s);
-    } else if (num_experts <= 256) {
-      RouteToken<8>(a, t, s);
-    } else {
-      RouteToken<kMaxPerLane>(a, t, s);
-    }
+    RouteToken(a, t, s);
   }
 }
 
