@@ -30,8 +30,9 @@ constexpr int kMaxTokens = 16;
 constexpr int kMaxPairs = 4096;                   // T * E held in shared memory
 constexpr int kMaxTopK = 32;
 constexpr int kMaxExperts = 512;
+constexpr int kMaxPerLane = kMaxExperts / 32;
 constexpr int kMaxGroups = 32;
-constexpr int kMaxSlices = 16;                    // slices of H: the last block reads up to 16 x T x E sums
+constexpr int kMaxSlices = 8;                     // slices of H: the last block reads 8 x T x E sums
 constexpr int kPairsAtOnce = 4;                   // pairs whose sums a thread loads at once
 
 // Phase marks for cuda/route_phase_bench.cu, which defines the macro before including this file to
@@ -56,140 +57,24 @@ struct RouteShared {
   union {
     float warp_parts[kWarps][kGroupTokens][kTileExperts];
     struct {
-      float logits[kMaxPairs];  // [T, E]: the slices summed, then the scores of the routing warps
-      float choice[kMaxPairs];  // [T, E]: a token's choices, for the group limit
-      float bias[kMaxExperts];
+      float scores[kMaxPairs];
+      float choice[kMaxPairs];
       float group_score[kMaxTokens][kMaxGroups];
       int eligible[kMaxTokens][kMaxGroups];
+      float chosen_score[kMaxTokens][kMaxTopK];
+      int chosen_id[kMaxTokens][kMaxTopK];
     } route;
   };
   int is_last;
 };
 
-// A key that orders choices as floats do (-0 as +0, so that equal floats tie); unsigned, for the
-// warp's max instruction.
-__device__ __forceinline__ unsigned ChoiceKey(float v) {
-  const unsigned bits = __float_as_uint(__fadd_rn(v, 0.0f));
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
-
-// One token, routed by one warp in the token's rows of shared memory: lane l takes experts l,
-// l + 32, ... The scores, the choices, the group limit, the top k and the weights, with no
-// block-wide barrier. The loops stay rolled: in a layer this code is cold (the experts' launches
-// between two routers evict it), and unrolled register versions of it, faster here with the code
-// warm, were slower in a layer. The sums run in the order the earlier block-wide version used (a
-// lane's experts in order, then a butterfly): the same bits.
-__device__ void RouteToken(const DecodeRouteArgs& a, int t, RouteShared& s) {
-  const int num_experts = static_cast<int>(a.num_experts), top_k = static_cast<int>(a.top_k);
-  const int lane = threadIdx.x & 31;
-  float* row = s.route.logits + t * num_experts;     // the logits, then the scores
-  float* choice = s.route.choice + t * num_experts;  // the choices, then their keys
-  if (a.sigmoid) {
-    for (int e = lane; e < num_experts; e += 32) row[e] = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-row[e])));
-  } else {
-    float most = -INFINITY;
-    for (int e = lane; e < num_experts; e += 32) most = fmaxf(most, row[e]);
-    most = WarpMax(most);
-    float sum = 0.0f;
-    for (int e = lane; e < num_experts; e += 32) {
-      row[e] = expf(__fsub_rn(row[e], most));
-      sum = __fadd_rn(sum, row[e]);
-    }
-    sum = WarpSum(sum);
-    for (int e = lane; e < num_experts; e += 32) row[e] = __fdiv_rn(row[e], sum);
-  }
-  for (int e = lane; e < num_experts; e += 32)
-    choice[e] = a.bias != nullptr ? __fadd_rn(row[e], s.route.bias[e]) : row[e];
-  __syncwarp();
-  JAX_MOE_ROUTE_MARK(4);  // scores and choices
-
-  if (a.n_group > 1) {
-    // Groups scored by their two best choices; only the topk_group best stay eligible (ties to
-    // the lower group). Lane g takes group g, from a different member each (no bank conflicts):
-    // the two best do not depend on the order.
-    const int n_group = static_cast<int>(a.n_group), group_size = num_experts / n_group;
-    if (lane < n_group) {
-      float first = -INFINITY, second = -INFINITY;
-      for (int m = 0; m < group_size; ++m) {
-        const float v = choice[lane * group_size + (m + lane) % group_size];
-        if (v > first) {
-          second = first;
-          first = v;
-        } else if (v > second) {
-          second = v;
-        }
-      }
-      s.route.group_score[t][lane] = __fadd_rn(first, second);
-    }
-    __syncwarp();
-    if (lane < n_group) {
-      const float v = s.route.group_score[t][lane];
-      int rank = 0;
-      for (int h = 0; h < n_group; ++h) {
-        const float u = s.route.group_score[t][h];
-        rank += (u > v) || (u == v && h < lane);
-      }
-      s.route.eligible[t][lane] = rank < a.topk_group;
-    }
-    __syncwarp();
-    for (int e = lane; e < num_experts; e += 32)
-      if (!s.route.eligible[t][e / group_size]) choice[e] = -INFINITY;
-  }
-  JAX_MOE_ROUTE_MARK(5);  // the group limit
-
-  // The top k in k rounds: the warp's largest key (one max instruction), then the lowest expert
-  // holding it (one min instruction), as lax.top_k breaks ties. Each lane keeps its best left,
-  // and only the lane that lost it looks again.
-  unsigned* keys = reinterpret_cast<unsigned*>(choice);
-  for (int e = lane; e < num_experts; e += 32) keys[e] = ChoiceKey(choice[e]);
-  unsigned taken = 0;  // bit i: expert i * 32 + lane is chosen
-  unsigned best_key = 0;
-  auto lane_best = [&] {  // slot of the lane's best left (the lower among equal keys), -1 if none
-    int best = -1;
-    for (int i = 0, e = lane; e < num_experts; ++i, e += 32)
-      if (!(taken >> i & 1) && (best < 0 || keys[e] > best_key)) best = i, best_key = keys[e];
-    return best;
-  };
-  int best = lane_best();
-  int chosen = 0;
-  for (int j = 0; j < top_k; ++j) {
-    const unsigned most = __reduce_max_sync(~0u, best >= 0 ? best_key : 0u);
-    const unsigned index = __reduce_min_sync(~0u, best >= 0 && best_key == most ? best * 32 + lane : UINT_MAX);
-    if (lane == j) chosen = static_cast<int>(index);
-    if ((index & 31) == static_cast<unsigned>(lane)) {
-      taken |= 1u << best;
-      best = lane_best();
-    }
-  }
-  JAX_MOE_ROUTE_MARK(6);  // the top k
-
-  __syncwarp();
-  const float chosen_score = lane < top_k ? row[chosen] : 0.0f;
-  float sum = 0.0f;
-  if (a.renormalize)
-    for (int m = 0; m < top_k; ++m) sum = __fadd_rn(sum, __shfl_sync(~0u, chosen_score, m));
-  if (lane < top_k) {
-    float weight = chosen_score;
-    if (a.renormalize) weight = __fdiv_rn(weight, __fadd_rn(sum, a.renormalize_epsilon));
-    if (a.scaling != 1.0f) weight = __fmul_rn(weight, a.scaling);
-    a.topk_weights[t * top_k + lane] = weight;
-    a.topk_ids[t * top_k + lane] = chosen;
-  }
-  JAX_MOE_ROUTE_MARK(7);  // the weights written
-}
-
-// The last block: sum the slices, then one warp routes each token.
+// The last block: sum the slices, score, choose and weigh every token's experts.
 __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
   const int num_tokens = static_cast<int>(a.num_tokens), num_experts = static_cast<int>(a.num_experts);
-  const int pairs = num_tokens * num_experts;
-  const int warp = threadIdx.x >> 5;
-  // The bias's loads go out with the sums' below.
-  float bias[kMaxExperts / kThreads];
-#pragma unroll
-  for (int m = 0; m < kMaxExperts / kThreads; ++m) {
-    const int e = threadIdx.x + m * kThreads;
-    bias[m] = a.bias != nullptr && e < num_experts ? __ldg(a.bias + e) : 0.0f;
-  }
+  const int top_k = static_cast<int>(a.top_k), pairs = num_tokens * num_experts;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* scores = s.route.scores;
+  float* choice = s.route.choice;
   // Pair i's slices are at partials[slice * pairs + i]. Four pairs' loads go out together (the
   // sums are a chain of L2 round trips otherwise: 20 us at T = 16), then each sums in slice order.
   for (int base = threadIdx.x; base < pairs; base += kPairsAtOnce * kThreads) {
@@ -210,23 +95,127 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
         if (slice < slices) sum = __fadd_rn(sum, part[m][slice]);
       if (i < pairs) {
         a.logits[i] = sum;
-        s.route.logits[i] = sum;
+        scores[i] = sum;
       }
     }
   }
-#pragma unroll
-  for (int m = 0; m < kMaxExperts / kThreads; ++m)
-    if (threadIdx.x + m * kThreads < num_experts) s.route.bias[threadIdx.x + m * kThreads] = bias[m];
   if (threadIdx.x == 0) *a.counter = 0;  // for the next call (stream order publishes it)
   __syncthreads();
   JAX_MOE_ROUTE_MARK(3);  // the slices summed
-  for (int t = warp; t < num_tokens; t += kWarps) {
-    RouteToken(a, t, s);
+
+  if (a.sigmoid) {
+    for (int i = threadIdx.x; i < pairs; i += kThreads) scores[i] = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-scores[i])));
+  } else {
+    for (int t = warp; t < num_tokens; t += kWarps) {
+      float* row = scores + t * num_experts;
+      float most = -INFINITY;
+      for (int e = lane; e < num_experts; e += 32) most = fmaxf(most, row[e]);
+      most = WarpMax(most);
+      float sum = 0.0f;
+      for (int e = lane; e < num_experts; e += 32) {
+        row[e] = expf(__fsub_rn(row[e], most));
+        sum = __fadd_rn(sum, row[e]);
+      }
+      sum = WarpSum(sum);
+      for (int e = lane; e < num_experts; e += 32) row[e] = __fdiv_rn(row[e], sum);
+    }
   }
+  __syncthreads();
+  for (int i = threadIdx.x; i < pairs; i += kThreads)
+    choice[i] = a.bias != nullptr ? __fadd_rn(scores[i], a.bias[i % num_experts]) : scores[i];
+  __syncthreads();
+  JAX_MOE_ROUTE_MARK(4);  // scores and choices
+
+  if (a.n_group > 1) {
+    const int n_group = static_cast<int>(a.n_group), group_size = num_experts / n_group;
+    for (int i = threadIdx.x; i < num_tokens * n_group; i += kThreads) {
+      const int t = i / n_group, g = i % n_group;
+      const float* members = choice + t * num_experts + g * group_size;
+      float first = -INFINITY, second = -INFINITY;
+      for (int m = 0; m < group_size; ++m) {
+        const float v = members[m];
+        if (v > first) {
+          second = first;
+          first = v;
+        } else if (v > second) {
+          second = v;
+        }
+      }
+      s.route.group_score[t][g] = __fadd_rn(first, second);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_tokens * n_group; i += kThreads) {
+      const int t = i / n_group, g = i % n_group;
+      const float v = s.route.group_score[t][g];
+      int rank = 0;
+      for (int h = 0; h < n_group; ++h) {
+        const float u = s.route.group_score[t][h];
+        rank += (u > v) || (u == v && h < g);
+      }
+      s.route.eligible[t][g] = rank < a.topk_group;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < pairs; i += kThreads)
+      if (!s.route.eligible[i / num_experts][i % num_experts / group_size]) choice[i] = -INFINITY;
+    __syncthreads();
+  }
+
+  JAX_MOE_ROUTE_MARK(5);  // the group limit
+  // One warp per token takes its k best choices in k rounds of a warp arg-max (greater first, ties
+  // to the lower index, as lax.top_k). Lane l holds experts l, l + 32, ...; lane j keeps the j-th.
+  for (int t = warp; t < num_tokens; t += kWarps) {
+    const float* row = choice + t * num_experts;
+    float value[kMaxPerLane];
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      const int e = i * 32 + lane;
+      value[i] = e < num_experts ? row[e] : -INFINITY;
+    }
+    unsigned taken = 0;  // bit i: value[i] is chosen already, or holds no expert
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i)
+      if (i * 32 + lane >= num_experts) taken |= 1u << i;
+    int chosen = 0;
+    for (int j = 0; j < top_k; ++j) {
+      float best = -INFINITY;
+      int index = INT_MAX;
+#pragma unroll
+      for (int i = 0; i < kMaxPerLane; ++i)
+        if (!(taken >> i & 1) && (index == INT_MAX || value[i] > best)) best = value[i], index = i * 32 + lane;
+      for (int d = 16; d > 0; d >>= 1) {
+        const float other = __shfl_xor_sync(~0u, best, d);
+        const int other_index = __shfl_xor_sync(~0u, index, d);
+        if (other_index != INT_MAX && (index == INT_MAX || other > best || (other == best && other_index < index)))
+          best = other, index = other_index;
+      }
+      if ((index & 31) == lane) taken |= 1u << (index >> 5);
+      if (lane == j) chosen = index;
+    }
+    if (lane < top_k) {
+      float weight = scores[t * num_experts + chosen];
+      s.route.chosen_score[t][lane] = weight;
+      s.route.chosen_id[t][lane] = chosen;
+    }
+  }
+  __syncthreads();
+  JAX_MOE_ROUTE_MARK(6);  // the top k
+  for (int i = threadIdx.x; i < num_tokens * top_k; i += kThreads) {
+    const int t = i / top_k, j = i % top_k;
+    float weight = s.route.chosen_score[t][j];
+    if (a.renormalize) {
+      float sum = 0.0f;
+      for (int m = 0; m < top_k; ++m) sum = __fadd_rn(sum, s.route.chosen_score[t][m]);
+      weight = __fdiv_rn(weight, __fadd_rn(sum, a.renormalize_epsilon));
+    }
+    if (a.scaling != 1.0f) weight = __fmul_rn(weight, a.scaling);
+    a.topk_weights[i] = weight;
+    a.topk_ids[i] = s.route.chosen_id[t][j];
+  }
+  JAX_MOE_ROUTE_MARK(7);  // the weights written
 }
 
 template <int kTokens>
-__global__ void __launch_bounds__(kThreads, 1) DecodeRouteKernel(DecodeRouteArgs a, int64_t slice_rows) {
+__global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a, int64_t slice_rows) {
   __shared__ RouteShared s;
   JAX_MOE_ROUTE_MARK(0);  // the block starts
   const int64_t hidden = a.hidden, num_experts = a.num_experts;
@@ -317,19 +306,12 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeRouteKernel(DecodeRouteArgs
   Route(a, static_cast<int>(gridDim.y), s);
 }
 
-// Block steps of H (kBlockRows rows each) per slice: as few as spread H over kMaxSlices slices.
-int64_t DecodeRouteSliceSteps(int64_t hidden) {
-  const int64_t steps = (std::max<int64_t>(hidden, 1) + kBlockRows - 1) / kBlockRows;
-  return (steps + kMaxSlices - 1) / kMaxSlices;
-}
-
 }  // namespace
 
 int64_t DecodeRouteSlices(int64_t hidden) {
-  // More slices spread the router's read over more SMs (DeepSeek-V3's 3.7 MB: 14 x 4 blocks of
-  // 64 KB) at the price of longer sums in the last block; every slice holds whole block steps.
-  const int64_t steps = (std::max<int64_t>(hidden, 1) + kBlockRows - 1) / kBlockRows;
-  return (steps + DecodeRouteSliceSteps(hidden) - 1) / DecodeRouteSliceSteps(hidden);
+  // More slices would spread the router over more SMs (DeepSeek-V3's 3.7 MB over 32 blocks of 115
+  // KB here) but lengthen the last block's sums.
+  return std::clamp<int64_t>((hidden + kBlockRows - 1) / kBlockRows, 1, kMaxSlices);
 }
 
 bool DecodeRouteFits(int64_t num_tokens, int64_t hidden, int64_t num_experts, int64_t top_k, int64_t n_group,
@@ -349,7 +331,7 @@ cudaError_t LaunchDecodeRoute(const DecodeRouteArgs& a, cudaStream_t stream) {
   const int64_t tiles = (a.num_experts + kTileExperts - 1) / kTileExperts;
   const int64_t slices = DecodeRouteSlices(a.hidden);
   // Slices of whole block steps: every lane's 8 rows lie inside H.
-  const int64_t slice_rows = DecodeRouteSliceSteps(a.hidden) * kBlockRows;
+  const int64_t slice_rows = ((a.hidden + kBlockRows - 1) / kBlockRows + slices - 1) / slices * kBlockRows;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(slices),
                   static_cast<unsigned>((a.num_tokens + kGroupTokens - 1) / kGroupTokens));
   const int64_t tokens = std::min<int64_t>(a.num_tokens, kGroupTokens);
