@@ -30,10 +30,10 @@ constexpr int kMaxTokens = 16;
 constexpr int kMaxPairs = 4096;                   // T * E held in shared memory
 constexpr int kMaxTopK = 32;
 constexpr int kMaxExperts = 512;
+constexpr int kMaxPerLane = kMaxExperts / 32;
 constexpr int kMaxGroups = 32;
 constexpr int kMaxSlices = 8;                     // slices of H: the last block reads 8 x T x E sums
 constexpr int kPairsAtOnce = 4;                   // pairs whose sums a thread loads at once
-constexpr int kRankChunk = 64;                    // experts a choice is first ranked among
 
 // Phase marks for cuda/route_phase_bench.cu, which defines the macro before including this file to
 // time each phase of the kernel; nothing in the module's build.
@@ -44,12 +44,6 @@ constexpr int kRankChunk = 64;                    // experts a choice is first r
 __device__ __forceinline__ float WarpMax(float v) {
   for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(~0u, v, d));
   return v;
-}
-
-// A key that orders choices as the floats do, -0 as +0 (equal floats tie).
-__device__ __forceinline__ unsigned ChoiceKey(float v) {
-  const unsigned bits = __float_as_uint(__fadd_rn(v, 0.0f));
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
 __device__ __forceinline__ float WarpSum(float v) {
@@ -67,9 +61,8 @@ struct RouteShared {
       float choice[kMaxPairs];
       float group_score[kMaxTokens][kMaxGroups];
       int eligible[kMaxTokens][kMaxGroups];
+      float chosen_score[kMaxTokens][kMaxTopK];
       int chosen_id[kMaxTokens][kMaxTopK];
-      uint16_t candidates[kMaxPairs];  // [T, E]: each token's experts best in their chunk, any order
-      int candidate_count[kMaxTokens];
     } route;
   };
   int is_last;
@@ -137,14 +130,10 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
     const int n_group = static_cast<int>(a.n_group), group_size = num_experts / n_group;
     for (int i = threadIdx.x; i < num_tokens * n_group; i += kThreads) {
       const int t = i / n_group, g = i % n_group;
-      // Group g's scan starts at member g % group_size: the 32 groups of a warp read 32 banks, not
-      // one. The two best do not depend on the order.
       const float* members = choice + t * num_experts + g * group_size;
-      const int start = g % group_size;
       float first = -INFINITY, second = -INFINITY;
       for (int m = 0; m < group_size; ++m) {
-        const int member = start + m < group_size ? start + m : start + m - group_size;
-        const float v = members[member];
+        const float v = members[m];
         if (v > first) {
           second = first;
           first = v;
@@ -172,48 +161,50 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
   }
 
   JAX_MOE_ROUTE_MARK(5);  // the group limit
-  // The top k by rank, in two rounds with every thread (rolled loops: in a layer this code is cold).
-  // Choices become integer keys ordered as the floats (-0 as +0); ties go to the lower expert, as
-  // lax.top_k breaks them. Round 1 ranks each expert within its chunk of kRankChunk; those ranked
-  // below k are the token's candidates, listed in any order. Round 2 ranks each candidate among
-  // them; rank j < k is the j-th choice. The ranks, and so the results, do not depend on the order.
-  unsigned* keys = reinterpret_cast<unsigned*>(choice);
-  for (int i = threadIdx.x; i < pairs; i += kThreads) keys[i] = ChoiceKey(choice[i]);
-  for (int t = threadIdx.x; t < num_tokens; t += kThreads) s.route.candidate_count[t] = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < pairs; i += kThreads) {
-    const int t = i / num_experts, e = i % num_experts;
-    const int chunk_begin = e / kRankChunk * kRankChunk, chunk_end = min(num_experts, chunk_begin + kRankChunk);
-    const unsigned* row = keys + t * num_experts;
-    const unsigned v = row[e];
-    int rank = 0;
-    for (int h = chunk_begin; h < chunk_end; ++h) rank += row[h] > v || (row[h] == v && h < e);
-    if (rank < top_k) s.route.candidates[t * num_experts + atomicAdd(&s.route.candidate_count[t], 1)] = e;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < num_tokens * num_experts; i += kThreads) {
-    const int t = i / num_experts, c = i % num_experts, count = s.route.candidate_count[t];
-    if (c >= count) continue;
-    const unsigned* row = keys + t * num_experts;
-    const uint16_t* listed = s.route.candidates + t * num_experts;
-    const int e = listed[c];
-    const unsigned v = row[e];
-    int rank = 0;
-    for (int h = 0; h < count; ++h) {
-      const int other = listed[h];
-      rank += row[other] > v || (row[other] == v && other < e);
+  // One warp per token takes its k best choices in k rounds of a warp arg-max (greater first, ties
+  // to the lower index, as lax.top_k). Lane l holds experts l, l + 32, ...; lane j keeps the j-th.
+  for (int t = warp; t < num_tokens; t += kWarps) {
+    const float* row = choice + t * num_experts;
+    float value[kMaxPerLane];
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      const int e = i * 32 + lane;
+      value[i] = e < num_experts ? row[e] : -INFINITY;
     }
-    if (rank < top_k) s.route.chosen_id[t][rank] = e;
+    unsigned taken = 0;  // bit i: value[i] is chosen already, or holds no expert
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i)
+      if (i * 32 + lane >= num_experts) taken |= 1u << i;
+    int chosen = 0;
+    for (int j = 0; j < top_k; ++j) {
+      float best = -INFINITY;
+      int index = INT_MAX;
+#pragma unroll
+      for (int i = 0; i < kMaxPerLane; ++i)
+        if (!(taken >> i & 1) && (index == INT_MAX || value[i] > best)) best = value[i], index = i * 32 + lane;
+      for (int d = 16; d > 0; d >>= 1) {
+        const float other = __shfl_xor_sync(~0u, best, d);
+        const int other_index = __shfl_xor_sync(~0u, index, d);
+        if (other_index != INT_MAX && (index == INT_MAX || other > best || (other == best && other_index < index)))
+          best = other, index = other_index;
+      }
+      if ((index & 31) == lane) taken |= 1u << (index >> 5);
+      if (lane == j) chosen = index;
+    }
+    if (lane < top_k) {
+      float weight = scores[t * num_experts + chosen];
+      s.route.chosen_score[t][lane] = weight;
+      s.route.chosen_id[t][lane] = chosen;
+    }
   }
   __syncthreads();
   JAX_MOE_ROUTE_MARK(6);  // the top k
   for (int i = threadIdx.x; i < num_tokens * top_k; i += kThreads) {
     const int t = i / top_k, j = i % top_k;
-    const float* token_scores = scores + t * num_experts;
-    float weight = token_scores[s.route.chosen_id[t][j]];
+    float weight = s.route.chosen_score[t][j];
     if (a.renormalize) {
       float sum = 0.0f;
-      for (int m = 0; m < top_k; ++m) sum = __fadd_rn(sum, token_scores[s.route.chosen_id[t][m]]);
+      for (int m = 0; m < top_k; ++m) sum = __fadd_rn(sum, s.route.chosen_score[t][m]);
       weight = __fdiv_rn(weight, __fadd_rn(sum, a.renormalize_epsilon));
     }
     if (a.scaling != 1.0f) weight = __fmul_rn(weight, a.scaling);
