@@ -137,6 +137,9 @@ void Run(const Case& c, int64_t tokens, uint8_t* evict, size_t evict_bytes, cuda
   double counted_in_median_ns = 0, counted_in_max_ns = 0, last_arrival_ns = 0, block_work_ns = 0;
   for (int r = 0; r < 2 * kCold; ++r) {
     const bool code_cold = r >= kCold;  // the phases: of these launches
+    std::vector<unsigned long long> t(jax_moe_bench::kMaxBlocks * jax_moe_bench::kMarks, 0);
+    // Zero the marks: this launch's last block may not be the previous one's.
+    CK(cudaMemcpyToSymbol(jax_moe_bench::g_time, t.data(), t.size() * sizeof(t[0])));
     CK(cudaMemsetAsync(evict, r & 0xff, evict_bytes, stream));
     if (code_cold) EvictCode<<<264, 128, 0, stream>>>(reinterpret_cast<float*>(evict), static_cast<float>(r));
     CK(cudaEventRecord(start, stream));
@@ -146,12 +149,7 @@ void Run(const Case& c, int64_t tokens, uint8_t* evict, size_t evict_bytes, cuda
     float ms;
     CK(cudaEventElapsedTime(&ms, start, stop));
     (code_cold ? code_cold_ms : cold_ms).push_back(ms);
-    std::vector<unsigned long long> t(jax_moe_bench::kMaxBlocks * jax_moe_bench::kMarks);
-    if (!code_cold) {  // zero the marks: the next launch's last block may be another one
-      std::vector<unsigned long long> zeros(t.size(), 0);
-      CK(cudaMemcpyToSymbol(jax_moe_bench::g_time, zeros.data(), zeros.size() * sizeof(zeros[0])));
-      continue;
-    }
+    if (!code_cold) continue;
     std::vector<long long> clk(t.size());
     CK(cudaMemcpyFromSymbol(t.data(), jax_moe_bench::g_time, t.size() * sizeof(t[0])));
     CK(cudaMemcpyFromSymbol(clk.data(), jax_moe_bench::g_clock, clk.size() * sizeof(clk[0])));
@@ -176,9 +174,6 @@ void Run(const Case& c, int64_t tokens, uint8_t* evict, size_t evict_bytes, cuda
                                                    clk[last * jax_moe_bench::kMarks + m - 1]);
       }
     }
-    // Zero the marks: the next launch's last block may be another one.
-    std::vector<unsigned long long> zeros(t.size(), 0);
-    CK(cudaMemcpyToSymbol(jax_moe_bench::g_time, zeros.data(), zeros.size() * sizeof(zeros[0])));
   }
   std::sort(cold_ms.begin(), cold_ms.end());
   std::sort(code_cold_ms.begin(), code_cold_ms.end());

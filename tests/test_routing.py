@@ -224,13 +224,14 @@ def _decode_route_inputs(case, with_bias):
     kwargs, num_tokens = DECODE_ROUTE_CASES[case]
     rng = np.random.default_rng(num_tokens * 7 + kwargs["num_experts"])
     hidden, experts = kwargs["hidden_size"], kwargs["num_experts"]
+    tied = case.startswith("tied")
     router = rng.standard_normal((hidden, experts)) / np.sqrt(hidden)
-    if case.startswith("tied"):
+    if tied:
         router = np.repeat(router[:, ::2], 2, axis=1)
     router = jnp.asarray(router, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
     bias = rng.standard_normal(experts) / 8
-    if case.startswith("tied"):
+    if tied:
         bias = np.repeat(bias[::2], 2)
     bias = jnp.asarray(bias, F32) if with_bias else None
     return router, x, bias

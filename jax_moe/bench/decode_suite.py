@@ -317,4 +317,3 @@ def markdown(record: dict) -> str:
     lines = header_block("Decode: whole stack vs the weight-read roofline (suite decode)", record["meta"],
                          record.get("elapsed_s", 0.0), record["method"], record["notes"])
     return "\n".join(lines) + "\n\n" + table(record["rows"]) + "\n"
-
