@@ -35,6 +35,10 @@ struct UnpermuteArgs {
   void* out;                   // [T, H]
   int64_t num_tokens, top_k, hidden, capacity;
   FloatType row_type, weight_type;
+  // Optional, [T, H] of y's dtype: out = residual + (sum + addend), each sum rounded to y's dtype
+  // as separate elementwise adds would round it (a layer's shared expert and its residual add).
+  const void* addend = nullptr;
+  const void* residual = nullptr;
 };
 
 // Unpermute's backward: d_y[r] = w[s] * d_out[s / k] for the route s = src_index[r] of row r

@@ -7,6 +7,7 @@
 extern "C" {
 XLA_FFI_Error* JaxMoePermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeUnpermuteAddCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteGradCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeGatherRowsCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeGroupedMatmulCuda(XLA_FFI_CallFrame* call_frame);
@@ -14,6 +15,7 @@ XLA_FFI_Error* JaxMoeGroupedMatmulIntoCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeMatmulCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeMatmulSharedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeRouteCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeDecodeRoutePermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8GroupedMatmulCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8SwigluExpertsCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8DecodeSwigluCuda(XLA_FFI_CallFrame* call_frame);

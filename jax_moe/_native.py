@@ -10,12 +10,14 @@ import jax
 PERMUTE_TARGET = "jax_moe_permute"
 UNPERMUTE_TARGET = "jax_moe_unpermute"
 UNPERMUTE_GRAD_TARGET = "jax_moe_unpermute_grad"
+UNPERMUTE_ADD_TARGET = "jax_moe_unpermute_add"  # CUDA only
 GROUPED_MATMUL_TARGET = "jax_moe_grouped_matmul"  # CUDA only
 GROUPED_MATMUL_INTO_TARGET = "jax_moe_grouped_matmul_into"  # CUDA only
 GATHER_ROWS_TARGET = "jax_moe_gather_rows"  # CUDA only
 DECODE_MATMUL_TARGET = "jax_moe_decode_matmul"  # CUDA only
 DECODE_MATMUL_SHARED_TARGET = "jax_moe_decode_matmul_shared"  # CUDA only
 DECODE_ROUTE_TARGET = "jax_moe_decode_route"  # CUDA only
+DECODE_ROUTE_PERMUTE_TARGET = "jax_moe_decode_route_permute"  # CUDA only
 FP8_GROUPED_MATMUL_TARGET = "jax_moe_fp8_grouped_matmul"  # CUDA only
 FP8_SWIGLU_EXPERTS_TARGET = "jax_moe_fp8_swiglu_experts"  # CUDA only
 FP8_DECODE_SWIGLU_TARGET = "jax_moe_fp8_decode_swiglu"  # CUDA only

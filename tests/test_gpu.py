@@ -106,6 +106,36 @@ def test_gpu_runs_are_bitwise_deterministic(case):
     _assert_same(case, first, second)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("hidden", [256, 100])  # 16-byte vectors, and single elements
+@pytest.mark.parametrize("with_addend", [True, False], ids=["addend", "residual-only"])
+def test_gpu_unpermute_add_is_the_elementwise_adds_bitwise(dtype, hidden, with_addend):
+    """unpermute with a layer's adds in its launch: bitwise residual + (unpermute + addend) as XLA
+    adds them, with residuals 300x larger than the sums (so most adds round) and dropped routes."""
+    config = jax_moe.MoEConfig(num_experts=16, top_k=4, hidden_size=hidden, max_tokens=5, dtype=dtype, align=2)
+    rng = np.random.default_rng(hidden)
+    with jax.default_device(_gpu()):
+        x = jnp.asarray(rng.standard_normal((5, hidden)), dtype)
+        ids = jnp.asarray(rng.integers(-1, 17, (5, 4)), jnp.int32)
+        scratch = jax.jit(jax_moe.permute)(x, ids, jax_moe.init_scratch(config))
+        y = jnp.asarray(rng.standard_normal((config.capacity, hidden)), dtype)
+        weights = jnp.asarray(rng.random((5, 4)), jnp.float32)
+        residual = jnp.asarray(300 * rng.standard_normal((5, hidden)), dtype)
+        addend = jnp.asarray(rng.standard_normal((5, hidden)), dtype) if with_addend else None
+        fused = jax.jit(jax_moe.ops.unpermute_add)
+        assert "jax_moe_unpermute_add" in fused.lower(y, weights, scratch, residual, addend).compile().as_text()
+        got = fused(y, weights, scratch, residual, addend)
+
+        @jax.jit
+        def apart(y, weights, scratch, residual, addend):
+            out = jax_moe.unpermute(y, weights, scratch)
+            return residual + (out if addend is None else out + addend)
+
+        want = apart(y, weights, scratch, residual, addend)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.array_equal(np.asarray(got, np.float32), np.asarray(residual, np.float32))
+
+
 def _scanned_stack(x, ids, weights, scratch):
     """A layer stack in lax.scan: routing per layer from xs, the scratch in the carry."""
     def layer(carry, routing):

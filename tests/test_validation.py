@@ -263,3 +263,28 @@ def test_valid_configs_normalise_and_hash():
     assert as_tuple == as_array and hash(as_tuple) == hash(as_array)
     assert as_tuple.num_local_experts == 3
     assert jax_moe.MoEConfig(**{**BASE, "num_experts": np.int64(4)}).num_experts == 4
+
+
+@pytest.mark.parametrize("name, residual, addend, message", [
+    ("residual_shape", sds((5, 16), BF16), None, r"unpermute_add: residual: expected bfloat16\[4, 16\]"),
+    ("residual_dtype", sds((4, 16), F32), None, r"unpermute_add: residual: expected bfloat16\[4, 16\].*got float32"),
+    ("addend_shape", sds((4, 16), BF16), sds((4, 8), BF16), r"unpermute_add: addend: expected bfloat16\[4, 16\]"),
+])
+def test_bad_unpermute_add_arguments(name, residual, addend, message):
+    """The decode layer's unpermute with its adds: residual and addend must be [T, H] of y's dtype."""
+    y, weights = sds((CAPACITY, 16), BF16), sds((4, 2), F32)
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(jax_moe.ops.unpermute_add, y, weights, abstract_scratch(), residual, addend)
+
+
+def test_unpermute_add_off_the_gpu_is_the_adds():
+    """On the CPU (its XLA branch) unpermute_add is residual + (unpermute + addend) exactly."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 16)), BF16)
+    scratch = jax_moe.permute(x, jnp.asarray(rng.integers(0, 6, (4, 2)), I32), jax_moe.init_scratch(CONFIG))
+    y = jnp.asarray(rng.standard_normal((CAPACITY, 16)), BF16)
+    weights = jnp.asarray(rng.random((4, 2)), F32)
+    residual, addend = (jnp.asarray(rng.standard_normal((4, 16)) * s, BF16) for s in (50, 1))
+    got = jax.jit(jax_moe.ops.unpermute_add)(y, weights, scratch, residual, addend)
+    want = residual + (jax_moe.unpermute(y, weights, scratch) + addend)
+    np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
