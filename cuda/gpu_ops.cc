@@ -356,97 +356,43 @@ ffi::Error DecodeMatmulSharedImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi:
   return CudaStatus(LaunchDecodeGemm(args, stream), "jax_moe decode_matmul_shared");
 }
 
-// The decode router's arguments (route_kernels.h): x [T, H] and router [H, E] bf16, bias [E]
-// float32 (or [1] without one); workspace: the scratch's, whose last word is the arrival counter.
-ffi::ErrorOr<DecodeRouteArgs> DecodeRouteArgsOf(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& router,
-                                                const ffi::Buffer<ffi::F32>& bias, ffi::Buffer<ffi::F32>& logits,
-                                                ffi::Buffer<ffi::F32>& topk_weights, ffi::Buffer<ffi::S32>& topk_ids,
-                                                ffi::Buffer<ffi::F32>& partials, ffi::Buffer<ffi::S32>& workspace,
-                                                bool has_bias, bool sigmoid, bool renormalize,
-                                                float renormalize_epsilon, float scaling, int64_t n_group,
-                                                int64_t topk_group) {
-  const std::string name(op);
-  const auto xd = x.dimensions();
-  const auto rd = router.dimensions();
-  const auto wd = topk_weights.dimensions();
-  if (xd.size() != 2 || rd.size() != 2 || wd.size() != 2 || x.element_type() != ffi::BF16 ||
-      router.element_type() != ffi::BF16 || rd[0] != xd[1] || wd[0] != xd[0])
-    return ffi::Unexpected(InvalidArgument(name + ": expected bf16 x [T, H] and router [H, E], weights [T, k]"));
-  DecodeRouteArgs args;
-  args.num_tokens = xd[0], args.hidden = xd[1], args.num_experts = rd[1], args.top_k = wd[1];
-  args.n_group = n_group, args.topk_group = topk_group;
-  if (!DecodeRouteFits(args.num_tokens, args.hidden, args.num_experts, args.top_k, n_group, topk_group))
-    return ffi::Unexpected(InvalidArgument(name + ": sizes outside the kernel's (route_kernels.h DecodeRouteFits)"));
-  const int64_t pairs = args.num_tokens * args.num_experts;
-  if (static_cast<int64_t>(logits.element_count()) != pairs ||
-      static_cast<int64_t>(topk_ids.element_count()) != args.num_tokens * args.top_k ||
-      static_cast<int64_t>(partials.element_count()) != DecodeRouteSlices(args.hidden) * pairs ||
-      (has_bias && static_cast<int64_t>(bias.element_count()) != args.num_experts) || workspace.element_count() < 1)
-    return ffi::Unexpected(InvalidArgument(name + ": expected logits [T, E], ids [T, k], partials [slices, T, E], "
-                                           "bias [E], a workspace of one word or more"));
-  args.x = x.untyped_data();
-  args.router = router.untyped_data();
-  args.bias = has_bias ? bias.typed_data() : nullptr;
-  args.partials = partials.typed_data();
-  args.logits = logits.typed_data();
-  args.topk_weights = topk_weights.typed_data();
-  args.topk_ids = topk_ids.typed_data();
-  args.counter = workspace.typed_data() + workspace.element_count() - 1;
-  args.sigmoid = sigmoid, args.renormalize = renormalize;
-  args.renormalize_epsilon = renormalize_epsilon, args.scaling = scaling;
-  return args;
-}
-
+// The decode router (route_kernels.h): x [T, H] and router [H, E] bf16, bias [E] float32 (or [1]
+// without one); workspace: the scratch's, whose last word is the kernel's arrival counter.
 ffi::Error DecodeRouteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer router, ffi::Buffer<ffi::F32> bias,
                            ffi::Buffer<ffi::S32>, ffi::Result<ffi::Buffer<ffi::F32>> logits,
                            ffi::Result<ffi::Buffer<ffi::F32>> topk_weights, ffi::Result<ffi::Buffer<ffi::S32>> topk_ids,
                            ffi::Result<ffi::Buffer<ffi::F32>> partials, ffi::Result<ffi::Buffer<ffi::S32>> workspace,
                            bool has_bias, bool sigmoid, bool renormalize, float renormalize_epsilon, float scaling,
                            int64_t n_group, int64_t topk_group) {
-  auto args = DecodeRouteArgsOf("decode_route", x, router, bias, *logits, *topk_weights, *topk_ids, *partials,
-                                *workspace, has_bias, sigmoid, renormalize, renormalize_epsilon, scaling, n_group,
-                                topk_group);
-  if (args.has_error()) return args.error();
-  return CudaStatus(LaunchDecodeRoute(*args, stream), "decode_route");
-}
-
-// The decode router whose last block also permutes x by its choices into the scratch (the permute
-// call's buffers and attributes after the router's; the ids it chose are permute's topk_ids).
-ffi::Error DecodeRoutePermuteImpl(
-    cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer router, ffi::Buffer<ffi::F32> bias,
-    ffi::Buffer<ffi::S32> expert_map, ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
-    ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::Result<ffi::Buffer<ffi::F32>> logits,
-    ffi::Result<ffi::Buffer<ffi::F32>> topk_weights, ffi::Result<ffi::Buffer<ffi::S32>> topk_ids,
-    ffi::Result<ffi::Buffer<ffi::F32>> partials, ffi::Result<ffi::AnyBuffer> permuted,
-    ffi::Result<ffi::Buffer<ffi::S32>> src_index, ffi::Result<ffi::Buffer<ffi::S32>> dest_index,
-    ffi::Result<ffi::Buffer<ffi::S32>> group_sizes, ffi::Result<ffi::Buffer<ffi::S32>> expert_offsets,
-    ffi::Result<ffi::Buffer<ffi::S32>> workspace, bool has_bias, bool sigmoid, bool renormalize,
-    float renormalize_epsilon, float scaling, int64_t n_group, int64_t topk_group, int64_t align, bool identity_map) {
-  auto args = DecodeRouteArgsOf("decode_route_permute", x, router, bias, *logits, *topk_weights, *topk_ids,
-                                *partials, *workspace, has_bias, sigmoid, renormalize, renormalize_epsilon, scaling,
-                                n_group, topk_group);
-  if (args.has_error()) return args.error();
-  PermuteShapes shapes;
-  if (ffi::Error error = CheckPermuteShapes(x, *topk_ids, expert_map, *permuted, *src_index, *dest_index,
-                                            *group_sizes, *expert_offsets, *workspace, align, identity_map, &shapes);
-      error.failure())
-    return error;
-  if (shapes.num_experts != args->num_experts)
-    return InvalidArgument("decode_route_permute: expert_map must have E entries (the router's columns)");
-  PermuteArgs& p = args->permute;
-  p.expert_map = identity_map ? nullptr : expert_map.typed_data();
-  p.permuted = permuted->untyped_data();
-  p.src_index = src_index->typed_data();
-  p.dest_index = dest_index->typed_data();
-  p.group_sizes = group_sizes->typed_data();
-  p.expert_offsets = expert_offsets->typed_data();
-  p.workspace = workspace->typed_data();
-  p.num_local = shapes.num_local;
-  p.capacity = shapes.capacity;
-  p.row_bytes = shapes.row_bytes;
-  p.align = align;
-  p.workspace_size = shapes.workspace_size;
-  return CudaStatus(LaunchDecodeRoute(*args, stream), "decode_route_permute");
+  const auto xd = x.dimensions();
+  const auto rd = router.dimensions();
+  const auto wd = topk_weights->dimensions();
+  if (xd.size() != 2 || rd.size() != 2 || wd.size() != 2 || x.element_type() != ffi::BF16 ||
+      router.element_type() != ffi::BF16 || rd[0] != xd[1] || wd[0] != xd[0])
+    return InvalidArgument("decode_route: expected bf16 x [T, H] and router [H, E], weights [T, k]");
+  DecodeRouteArgs args;
+  args.num_tokens = xd[0], args.hidden = xd[1], args.num_experts = rd[1], args.top_k = wd[1];
+  args.n_group = n_group, args.topk_group = topk_group;
+  if (!DecodeRouteFits(args.num_tokens, args.hidden, args.num_experts, args.top_k, n_group, topk_group))
+    return InvalidArgument("decode_route: sizes outside the kernel's (route_kernels.h DecodeRouteFits)");
+  const int64_t pairs = args.num_tokens * args.num_experts;
+  if (static_cast<int64_t>(logits->element_count()) != pairs ||
+      static_cast<int64_t>(topk_ids->element_count()) != args.num_tokens * args.top_k ||
+      static_cast<int64_t>(partials->element_count()) != DecodeRouteSlices(args.hidden) * pairs ||
+      (has_bias && static_cast<int64_t>(bias.element_count()) != args.num_experts) || workspace->element_count() < 1)
+    return InvalidArgument("decode_route: expected logits [T, E], ids [T, k], partials [slices, T, E], bias [E], "
+                           "a workspace of one word or more");
+  args.x = x.untyped_data();
+  args.router = router.untyped_data();
+  args.bias = has_bias ? bias.typed_data() : nullptr;
+  args.partials = partials->typed_data();
+  args.logits = logits->typed_data();
+  args.topk_weights = topk_weights->typed_data();
+  args.topk_ids = topk_ids->typed_data();
+  args.counter = workspace->typed_data() + workspace->element_count() - 1;
+  args.sigmoid = sigmoid, args.renormalize = renormalize;
+  args.renormalize_epsilon = renormalize_epsilon, args.scaling = scaling;
+  return CudaStatus(LaunchDecodeRoute(args, stream), "decode_route");
 }
 
 // The FP8 grouped GEMM (grouped_gemm_fp8.h). rows [R, K] bf16 are
@@ -831,40 +777,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeRouteCuda, jax_moe::DecodeRouteImpl,
                                   .Attr<float>("scaling")
                                   .Attr<int64_t>("n_group")
                                   .Attr<int64_t>("topk_group"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeRoutePermuteCuda, jax_moe::DecodeRoutePermuteImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // x [T, H], bf16
-                                  .Arg<ffi::AnyBuffer>()               // router [H, E], bf16
-                                  .Arg<ffi::Buffer<ffi::F32>>()        // bias [E] ([1] without)
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_map [E] ([1] with identity_map)
-                                  .Arg<ffi::AnyBuffer>()               // permuted (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // src_index (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // dest_index (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // group_sizes (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // logits [T, E]
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // topk_weights [T, k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()        // topk_ids [T, k]
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // partials [slices, T, E]
-                                  .Ret<ffi::AnyBuffer>()               // permuted [R_cap, H]
-                                  .Ret<ffi::Buffer<ffi::S32>>()        // src_index [R_cap]
-                                  .Ret<ffi::Buffer<ffi::S32>>()        // dest_index [T_max, k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()        // group_sizes [El]
-                                  .Ret<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
-                                  .Ret<ffi::Buffer<ffi::S32>>()        // workspace
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("sigmoid")
-                                  .Attr<bool>("renormalize")
-                                  .Attr<float>("renormalize_epsilon")
-                                  .Attr<float>("scaling")
-                                  .Attr<int64_t>("n_group")
-                                  .Attr<int64_t>("topk_group")
-                                  .Attr<int64_t>("align")
-                                  .Attr<bool>("identity_map"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8GroupedMatmulCuda, jax_moe::Fp8GroupedMatmulImpl,

@@ -2,8 +2,7 @@
 // group of up to 8 tokens. In a block each lane owns 8 consecutive experts (one 16-byte load of a
 // router row) and 8 consecutive rows of H per step (one 16-byte load of each token's x); lanes and
 // warps split the slice and a fixed-order reduction sums their parts. The last block to arrive
-// sums the slices in slice order and routes: one warp per token for the softmax and the top-k;
-// asked to, it then permutes the tokens by those choices (permute_block.cuh).
+// sums the slices in slice order and routes: one warp per token for the softmax and the top-k.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -12,7 +11,6 @@
 #include <cstdint>
 
 #include "bf16_vector.cuh"
-#include "permute_block.cuh"
 #include "route_kernels.h"
 
 namespace jax_moe {
@@ -22,7 +20,6 @@ using Bf16 = __nv_bfloat16;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-static_assert(kWarps >= kPermuteWarps && kThreads >= kFewRoutes, "the last block ranks routes as permute does");
 constexpr int kTileExperts = 64;                  // 8 lanes x 8 experts
 constexpr int kLanesPerRow = kTileExperts / 8;    // lanes sharing a step's rows
 constexpr int kStepRows = 8;                      // rows of H a lane takes per step
@@ -60,14 +57,8 @@ struct RouteShared {
   union {
     float warp_parts[kWarps][kGroupTokens][kTileExperts];
     struct {
-      union {
-        struct {
-          float scores[kMaxPairs];
-          float choice[kMaxPairs];
-        } pairs;
-        int32_t permute[2 * kMaxPairs];  // the permute's arrays, once the top k is taken
-      };
-      int32_t ids[kMaxTokens * kMaxTopK];  // [T, k] the chosen experts, for the permute
+      float scores[kMaxPairs];
+      float choice[kMaxPairs];
       float group_score[kMaxTokens][kMaxGroups];
       int eligible[kMaxTokens][kMaxGroups];
       float chosen_score[kMaxTokens][kMaxTopK];
@@ -82,8 +73,8 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
   const int num_tokens = static_cast<int>(a.num_tokens), num_experts = static_cast<int>(a.num_experts);
   const int top_k = static_cast<int>(a.top_k), pairs = num_tokens * num_experts;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* scores = s.route.pairs.scores;
-  float* choice = s.route.pairs.choice;
+  float* scores = s.route.scores;
+  float* choice = s.route.choice;
   // Pair i's slices are at partials[slice * pairs + i]. Four pairs' loads go out together (the
   // sums are a chain of L2 round trips otherwise: 20 us at T = 16), then each sums in slice order.
   for (int base = threadIdx.x; base < pairs; base += kPairsAtOnce * kThreads) {
@@ -218,26 +209,13 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
     }
     if (a.scaling != 1.0f) weight = __fmul_rn(weight, a.scaling);
     a.topk_weights[i] = weight;
-    a.topk_ids[i] = s.route.ids[i] = s.route.chosen_id[t][j];
+    a.topk_ids[i] = s.route.chosen_id[t][j];
   }
   JAX_MOE_ROUTE_MARK(7);  // the weights written
 }
 
-// The last block, after Route: permute x by the ids it chose (a.permute's buffers), reading them
-// from shared memory, its arrays where the scores were.
-__device__ void PermuteRouted(const DecodeRouteArgs& a, int rank_warps, RouteShared& s) {
-  PermuteArgs p = a.permute;
-  p.topk_ids = s.route.ids;  // a generic pointer to shared memory
-  __syncthreads();           // the ids stored, the scores no longer read
-  const BlockRoutes routed = p.num_tokens * p.top_k <= kFewRoutes ? RankFewRoutesInBlock(p, s.route.permute)
-                                                                   : RankRoutesInBlock(p, rank_warps, s.route.permute);
-  StoreRouteIndices(p, routed);
-  MarkUnusedRows(p, routed.offsets, routed.counts, threadIdx.x, blockDim.x);
-  CopyRowsInBlock<uint4>(p, routed);
-}
-
 template <int kTokens>
-__global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a, int64_t slice_rows, int rank_warps) {
+__global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a, int64_t slice_rows) {
   __shared__ RouteShared s;
   JAX_MOE_ROUTE_MARK(0);  // the block starts
   const int64_t hidden = a.hidden, num_experts = a.num_experts;
@@ -326,7 +304,6 @@ __global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a,
   if (!s.is_last) return;
   __threadfence();
   Route(a, static_cast<int>(gridDim.y), s);
-  if (a.permute.permuted != nullptr) PermuteRouted(a, rank_warps, s);
 }
 
 }  // namespace
@@ -355,34 +332,17 @@ cudaError_t LaunchDecodeRoute(const DecodeRouteArgs& a, cudaStream_t stream) {
   const int64_t slices = DecodeRouteSlices(a.hidden);
   // Slices of whole block steps: every lane's 8 rows lie inside H.
   const int64_t slice_rows = ((a.hidden + kBlockRows - 1) / kBlockRows + slices - 1) / slices * kBlockRows;
-  int rank_warps = 1;
-  if (a.permute.permuted != nullptr) {
-    const PermuteArgs& p = a.permute;
-    const int64_t routes = a.num_tokens * a.top_k;
-    if (p.num_local < 1 || p.align < 1 || p.row_bytes != a.hidden * 2 || p.src_index == nullptr ||
-        p.dest_index == nullptr || p.group_sizes == nullptr || p.expert_offsets == nullptr ||
-        routes + p.num_local * (p.align - 1) > p.capacity)
-      return cudaErrorInvalidValue;
-    rank_warps = PermuteRankWarps(routes, RouteRowsInts(routes, p.num_local), p.num_local);
-    if (std::max(RankRoutesInts(routes, p.num_local, rank_warps), RankFewRoutesInts(routes, p.num_local)) >
-        2 * kMaxPairs)
-      return cudaErrorInvalidValue;
-  }
-  DecodeRouteArgs args = a;
-  args.permute.x = a.x;
-  args.permute.topk_ids = a.topk_ids;
-  args.permute.num_tokens = a.num_tokens, args.permute.top_k = a.top_k, args.permute.num_experts = a.num_experts;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(slices),
                   static_cast<unsigned>((a.num_tokens + kGroupTokens - 1) / kGroupTokens));
   const int64_t tokens = std::min<int64_t>(a.num_tokens, kGroupTokens);
   if (tokens == 1) {
-    DecodeRouteKernel<1><<<grid, kThreads, 0, stream>>>(args, slice_rows, rank_warps);
+    DecodeRouteKernel<1><<<grid, kThreads, 0, stream>>>(a, slice_rows);
   } else if (tokens == 2) {
-    DecodeRouteKernel<2><<<grid, kThreads, 0, stream>>>(args, slice_rows, rank_warps);
+    DecodeRouteKernel<2><<<grid, kThreads, 0, stream>>>(a, slice_rows);
   } else if (tokens <= 4) {
-    DecodeRouteKernel<4><<<grid, kThreads, 0, stream>>>(args, slice_rows, rank_warps);
+    DecodeRouteKernel<4><<<grid, kThreads, 0, stream>>>(a, slice_rows);
   } else {
-    DecodeRouteKernel<8><<<grid, kThreads, 0, stream>>>(args, slice_rows, rank_warps);
+    DecodeRouteKernel<8><<<grid, kThreads, 0, stream>>>(a, slice_rows);
   }
   return cudaGetLastError();
 }

@@ -12,17 +12,12 @@
 // rounding (the summation orders are not XLA's). Deterministic. No allocation: the per-slice sums
 // are a result of the call, and the arrival counter is one int32 that the caller keeps at zero
 // between calls (the last block resets it): the last word of the scratch's workspace.
-// Optionally the last block then permutes the tokens by the ids it chose (permute's contract,
-// gpu_kernels.h), in place of a permute launch: at decode that launch is one block that reads the
-// ids back from memory, about 5 us of a layer on the H200.
 #ifndef JAX_MOE_ROUTE_KERNELS_H_
 #define JAX_MOE_ROUTE_KERNELS_H_
 
 #include <cstdint>
 
 #include <cuda_runtime.h>
-
-#include "gpu_kernels.h"
 
 namespace jax_moe {
 
@@ -39,11 +34,6 @@ struct DecodeRouteArgs {
   bool sigmoid = false, renormalize = false;
   float renormalize_epsilon = 0.0f, scaling = 1.0f;
   int64_t n_group = 1, topk_group = 1;
-  // Optional (permute.permuted non-null): permute(x, topk_ids) into these scratch buffers, by the
-  // last block. Its x, topk_ids, num_tokens, top_k and num_experts are the router's (set by
-  // LaunchDecodeRoute); the caller sets the rest. The decode router's sizes keep the routes
-  // (T * k <= 512) and experts in one block's shared memory.
-  PermuteArgs permute = {};
 };
 
 // Slices of H that the router's reduction is split into (rows of `partials`).

@@ -31,28 +31,22 @@ def check_scratch(op: str, scratch) -> None:
                         f"{jnp.dtype(have.dtype)}{list(have.shape)} (scratch built for another config?)")
 
 
-def check_permute_rows(op: str, x, scratch) -> None:
-    """Validates the scratch and the rows x [T, H] that ``op`` permutes into it."""
-    check_scratch(op, scratch)
-    config = scratch.config
-    x_shape = np.shape(x)
-    if len(x_shape) != 2:
-        raise _fail(op, "x", "a rank-2 array [T, H]", f"shape {x_shape}")
-    if x_shape[1] != config.hidden_size:
-        raise _fail(op, "x", f"hidden size x.shape[1] == {config.hidden_size} (config.hidden_size)", x_shape[1])
-    if jnp.dtype(x.dtype) != config.dtype:
-        raise _fail(op, "x", f"dtype {config.dtype} (config.dtype)", jnp.dtype(x.dtype))
-    if x_shape[0] > config.max_tokens:
-        raise _fail(op, "x", f"at most {config.max_tokens} tokens (config.max_tokens)", x_shape[0])
-    if x_shape[0] < 1:
-        raise _fail(op, "x", "at least 1 token", x_shape[0])
-
-
 def check_permute_args(x, topk_ids, scratch) -> jax.Array:
     """Validates permute's arguments and returns the ids as int32 with out-of-range ids as -1."""
-    check_permute_rows("permute", x, scratch)
+    check_scratch("permute", scratch)
     config = scratch.config
     x_shape, ids_shape = np.shape(x), np.shape(topk_ids)
+    if len(x_shape) != 2:
+        raise _fail("permute", "x", "a rank-2 array [T, H]", f"shape {x_shape}")
+    if x_shape[1] != config.hidden_size:
+        raise _fail("permute", "x", f"hidden size x.shape[1] == {config.hidden_size} (config.hidden_size)",
+                    x_shape[1])
+    if jnp.dtype(x.dtype) != config.dtype:
+        raise _fail("permute", "x", f"dtype {config.dtype} (config.dtype)", jnp.dtype(x.dtype))
+    if x_shape[0] > config.max_tokens:
+        raise _fail("permute", "x", f"at most {config.max_tokens} tokens (config.max_tokens)", x_shape[0])
+    if x_shape[0] < 1:
+        raise _fail("permute", "x", "at least 1 token", x_shape[0])
     if len(ids_shape) != 2 or ids_shape != (x_shape[0], config.top_k):
         raise _fail("permute", "topk_ids", f"shape ({x_shape[0]}, {config.top_k}) [T, top_k]", ids_shape)
     ids_dtype = jnp.dtype(topk_ids.dtype)

@@ -215,13 +215,12 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
     scratch = lax.stop_gradient(scratch)
     router, bias = layer_params["router"], layer_params.get("router_bias")
     if tokens.shape[0] <= ops.DECODE_ROUTE_TOKENS and ops.decode_route_fits(config, tokens.shape[0], router.dtype):
-        # A few tokens: the router in one kernel, which permutes them too (differentiable: its
-        # backward keeps the ids).
-        weights, ids, logits, scratch = ops.route_and_permute(router, tokens, scratch, bias)
+        # A few tokens: the router in one kernel (differentiable: its backward keeps the ids).
+        weights, ids, logits, scratch = ops.route_decode(router, tokens, scratch, bias)
     else:
         logits = routing.router_logits(router, tokens)
         weights, ids = routing.route_logits(logits, config, bias)
-        scratch = permute(tokens, ids, scratch)
+    scratch = permute(tokens, ids, scratch)
     rows_out, shared, scratch = run_experts_and_shared(expert_fn, layer_params, scratch, tokens)
     y = unpermute(rows_out, weights, scratch)
     if shared is not None:

@@ -247,7 +247,12 @@ def route_decode(router: jax.Array, x: jax.Array, scratch: MoEScratch, bias: jax
     arrival counter, the last block's reads), not bandwidth-bound.
     """
     config = scratch.config
-    _check_route_shapes("route_decode", router, x, bias, config)
+    want = {"router": (config.hidden_size, config.num_experts), "x": (jnp.shape(x)[0], config.hidden_size),
+            "bias": (config.num_experts,)}
+    for name, value in (("router", router), ("x", x), ("bias", bias)):
+        if value is not None and tuple(jnp.shape(value)) != want[name]:
+            raise ValueError(f"route_decode: {name}: expected shape {want[name]} ([H, E], [T, H], [E]), "
+                             f"got {tuple(jnp.shape(value))}")
     bias_operand = jnp.zeros((1,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     weights, ids, logits, workspace = _route_decode(config, bias is not None, router, x, bias_operand,
                                                     scratch.workspace)
@@ -309,99 +314,6 @@ def _route_decode_bwd(config, has_bias, residuals, cotangents):
 
 
 _route_decode.defvjp(_route_decode_fwd, _route_decode_bwd)
-
-
-# The decode router permutes the tokens it routed itself (``route_and_permute``) while the rows its
-# last block copies, T * k * H * 2 bytes, stay within this bound; -1 switches it off (the bench's
-# decode suite does, to measure the two launches in the same run).
-ROUTE_PERMUTE_MAX_BYTES = 256 * 1024
-
-
-def route_permute_fits(config, num_tokens: int, router_dtype) -> bool:
-    """Whether ``route_and_permute`` is one CUDA launch on a GPU: ``decode_route_fits`` and at most
-    ``ROUTE_PERMUTE_MAX_BYTES`` of rows to copy."""
-    copied = num_tokens * config.top_k * config.hidden_size * jnp.dtype(config.dtype).itemsize
-    return decode_route_fits(config, num_tokens, router_dtype) and copied <= ROUTE_PERMUTE_MAX_BYTES
-
-
-def route_and_permute(router: jax.Array, x: jax.Array, scratch: MoEScratch, bias: jax.Array | None = None):
-    """``route_decode`` and then ``permute(x, ids)``: ``(weights, ids, logits, scratch)``.
-
-    Args and results as ``route_decode``'s; the scratch returned also holds ``permute``'s buffers for
-    x and the ids chosen (the same contract, bitwise). On a GPU within ``route_permute_fits`` the
-    router's last block permutes the tokens it has just routed: one launch instead of two, and the
-    permute's launch at decode is one block that reads the ids back from memory (5.0 µs of a 49.5 µs
-    Qwen3-30B layer at T = 1 on the H200). Elsewhere the two calls. Differentiable in router and x as
-    the two calls are.
-    """
-    _validate.check_permute_rows("route_and_permute", x, scratch)
-    config = scratch.config
-    _check_route_shapes("route_and_permute", router, x, bias, config)
-    bias_operand = jnp.zeros((1,), jnp.float32) if bias is None else bias.astype(jnp.float32)
-    return _route_permute(config, bias is not None, router, x, bias_operand, scratch)
-
-
-def _check_route_shapes(op: str, router, x, bias, config) -> None:
-    want = {"router": (config.hidden_size, config.num_experts), "x": (jnp.shape(x)[0], config.hidden_size),
-            "bias": (config.num_experts,)}
-    for name, value in (("router", router), ("x", x), ("bias", bias)):
-        if value is not None and tuple(jnp.shape(value)) != want[name]:
-            raise ValueError(f"{op}: {name}: expected shape {want[name]} ([H, E], [T, H], [E]), "
-                             f"got {tuple(jnp.shape(value))}")
-
-
-def _route_permute_forward(config, has_bias: bool, router, x, bias_operand, scratch: MoEScratch):
-    def two_calls(router, x, bias_operand, scratch):
-        weights, ids, logits, workspace = _route_decode_forward(config, has_bias, router, x, bias_operand,
-                                                                scratch.workspace)
-        return weights, ids, logits, _permute(x, ids, scratch.replace(workspace=workspace))
-
-    if not route_permute_fits(config, x.shape[0], router.dtype):
-        return two_calls(router, x, bias_operand, scratch)
-
-    def native(router, x, bias_operand, scratch):
-        num_tokens, (hidden, experts) = x.shape[0], router.shape
-        f32 = jnp.float32
-        buffers = scratch.buffers()
-        call = jax.ffi.ffi_call(
-            _native.DECODE_ROUTE_PERMUTE_TARGET,
-            (jax.ShapeDtypeStruct((num_tokens, experts), f32), jax.ShapeDtypeStruct((num_tokens, config.top_k), f32),
-             jax.ShapeDtypeStruct((num_tokens, config.top_k), jnp.int32),
-             jax.ShapeDtypeStruct((_native.decode_route_slices(hidden), num_tokens, experts), f32),
-             *(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers)),
-            input_output_aliases={4 + i: 4 + i for i in range(len(buffers))}, vmap_method=_VMAP_METHOD)
-        identity = config.expert_map is None
-        expert_map = np.zeros((1,), np.int32) if identity else config.expert_map_array()
-        logits, weights, ids, _, *buffers = fence_results(call(
-            x, router, bias_operand, jnp.asarray(expert_map), *buffers, has_bias=np.bool_(has_bias),
-            sigmoid=np.bool_(config.scoring == "sigmoid"), renormalize=np.bool_(config.renormalize),
-            renormalize_epsilon=np.float32(config.renormalize_epsilon),
-            scaling=np.float32(config.routed_scaling_factor), n_group=np.int64(config.n_group),
-            topk_group=np.int64(config.topk_group), align=np.int64(config.align), identity_map=np.bool_(identity)))
-        return weights, ids, logits, scratch.replace(**dict(zip(BUFFER_NAMES, buffers)))
-
-    return lax.platform_dependent(router, x, bias_operand, scratch, cuda=native, default=two_calls)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _route_permute(config, has_bias: bool, router, x, bias_operand, scratch):
-    return _route_permute_forward(config, has_bias, router, x, bias_operand, scratch)
-
-
-def _route_permute_fwd(config, has_bias, router, x, bias_operand, scratch):
-    results = _route_permute_forward(config, has_bias, router, x, bias_operand, scratch)
-    # As the two calls keep: the router's operands and ids, this call's [T, k] slice of dest_index.
-    return results, (router, x, results[1], results[3].dest_index[:x.shape[0]])
-
-
-def _route_permute_bwd(config, has_bias, residuals, cotangents):
-    router, x, ids, dest = residuals
-    d_weights, _, d_logits, d_scratch = cotangents
-    d_router, d_x, _, _ = _route_decode_bwd(config, has_bias, (router, x, ids), (d_weights, None, d_logits, None))
-    return d_router, d_x + permute_grad(d_scratch.permuted, dest).astype(d_x.dtype), None, None
-
-
-_route_permute.defvjp(_route_permute_fwd, _route_permute_bwd)
 
 
 def routes_by_src(values: jax.Array, src: jax.Array) -> jax.Array:
@@ -499,9 +411,10 @@ def unpermute_add(y: jax.Array, topk_weights: jax.Array, scratch: MoEScratch, re
 
     Args as ``unpermute``'s; residual and addend (optional: a shared expert's output) [T, H] of y's
     dtype. On a GPU one launch, the adds in unpermute's epilogue, each rounded to y's dtype as the
-    elementwise adds round (bitwise XLA's: an add of two bf16 values in float32 rounds once to
-    bf16); elsewhere those adds in XLA. Not differentiable (an inference forward's: the training
-    forward keeps the adds apart).
+    elementwise adds round (bitwise XLA's: float32 holds more than twice a bf16's bits, so an add
+    in float32 rounded to bf16 is the correctly rounded bf16 add), its result in the residual's
+    buffer; elsewhere those adds in XLA. For an inference forward (``moe_stack``'s at decode: one
+    launch fewer per layer); it has no autodiff rule, and the training forward keeps the adds apart.
     """
     _validate.check_unpermute_args(y, topk_weights, scratch)
     want = (topk_weights.shape[0], y.shape[1])
@@ -517,8 +430,10 @@ def unpermute_add(y: jax.Array, topk_weights: jax.Array, scratch: MoEScratch, re
         return residual + (out + addend_operand if has_addend else out)
 
     def native(y, topk_weights, dest_index, residual, addend_operand):
+        # In place of the residual: a scan's carry then stays in its buffer (a new result was
+        # copied into it, 1.2 us per layer at decode on the H200).
         call = jax.ffi.ffi_call(_native.UNPERMUTE_ADD_TARGET, jax.ShapeDtypeStruct(residual.shape, y.dtype),
-                                vmap_method=_VMAP_METHOD)
+                                input_output_aliases={3: 0}, vmap_method=_VMAP_METHOD)
         return fence_results(call(y, topk_weights, dest_index, residual, addend_operand,
                                   has_addend=np.bool_(has_addend)))
 

@@ -124,14 +124,13 @@ def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: 
                     and ops.decode_route_fits(config, num_tokens, small["router"].dtype))
     if keep or not route_kernel:
         (n, weights, logits, shared), ids = _dense(small, h, config, with_shared=not fuse_shared)
-        scratch = ops.permute(n, ids, scratch)
     else:
-        # Inference at T <= ops.DECODE_ROUTE_TOKENS: the router in one kernel, which permutes the
-        # tokens too. (A training forward routes in XLA: its backward recomputes that routing, and
-        # must find the same ids.)
+        # Inference at T <= ops.DECODE_ROUTE_TOKENS: the router in one kernel. (A training forward
+        # routes in XLA: its backward recomputes that routing, and must find the same ids.)
         n = rms_norm(h)
-        weights, ids, logits, scratch = ops.route_and_permute(small["router"], n, scratch, small.get("router_bias"))
+        weights, ids, logits, scratch = ops.route_decode(small["router"], n, scratch, small.get("router_bias"))
         shared = None if fuse_shared else shared_experts(small, n)
+    scratch = ops.permute(n, ids, scratch)
     offsets = scratch.expert_offsets
     gate_up, down = gate_up.astype(config.dtype), down.astype(config.dtype)
     if fuse_shared:

@@ -7,10 +7,6 @@ pure-JAX baseline, values and gradients.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -292,172 +288,6 @@ def test_gpu_decode_route_matches_route_logits(case, name, with_bias):
     np.testing.assert_allclose(weights, oracle_weights, rtol=1e-5, atol=1e-7)
 
 
-def _local_map(num_experts: int, kept) -> tuple[int, ...]:
-    """An expert map keeping the experts ``kept(e)`` says, numbered 0, 1, ... in order; -1 elsewhere."""
-    local = iter(range(num_experts))
-    return tuple(next(local) if kept(e) else -1 for e in range(num_experts))
-
-
-# (case, MoEConfig extras): route_and_permute's permute half on the decode router's shapes, with
-# padding rows (align) and an expert map that drops routes (expert parallelism's local experts).
-# Up to 64 routes rank by rolled loops (permute_block.cuh, kFewRoutes), more by warp ranks.
-ROUTE_PERMUTE_CASES = {
-    "qwen3-like-T1": ("qwen3-like-T1", {}),
-    "qwen3-like-T16-align4": ("qwen3-like-T16", {"align": 4}),
-    "deepseek-like-T2-map": ("deepseek-like-T2", {"expert_map": _local_map(256, lambda e: e % 4 < 2)}),
-    "mixtral-like-T3": ("mixtral-like-T3", {}),
-    "qwen35-like-T8-align2": ("qwen35-like-T8", {"align": 2}),
-    "tied-pairs-T4-map-align3": ("tied-pairs-T4", {"expert_map": _local_map(64, lambda e: e % 3 != 0), "align": 3}),
-}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", list(ROUTE_PERMUTE_CASES))
-@pytest.mark.parametrize("name", ["softmax-renormalized", "deepseek-v3"])
-def test_gpu_route_and_permute_is_the_two_calls(case, name, monkeypatch):
-    """The decode router that permutes its tokens itself (one launch) against route_decode then
-    permute (two): every result and every scratch buffer bitwise equal, over three calls on one
-    scratch (deterministic, the arrival counter back at zero). The scratch is first dirtied by a
-    permute of more tokens, so the rows and indices past this call's live rows must be rewritten."""
-    monkeypatch.setattr(jax_moe.ops, "ROUTE_PERMUTE_MAX_BYTES", 1 << 30)  # every case in one launch
-    route_case, extras = ROUTE_PERMUTE_CASES[case]
-    kwargs, num_tokens = DECODE_ROUTE_CASES[route_case]
-    if kwargs["top_k"] > kwargs["num_experts"] // max(1, ROUTINGS[name].get("n_group", 1)) * ROUTINGS[name].get(
-            "topk_group", 1) or kwargs["num_experts"] % ROUTINGS[name].get("n_group", 1):
-        pytest.skip("groups must divide the experts and hold k of them")
-    max_tokens = 16
-    config = MoEConfig(max_tokens=max_tokens, dtype=jnp.bfloat16, **kwargs, **extras, **ROUTINGS[name])
-    router, x, bias = _decode_route_inputs(route_case, with_bias=name == "deepseek-v3")
-    gpu = jax.devices("gpu")[0]
-    assert jax_moe.ops.route_permute_fits(config, num_tokens, router.dtype)
-
-    def two_calls(r, x, s):
-        weights, ids, logits, s = jax_moe.ops.route_decode(r, x, s, bias)
-        return weights, ids, logits, jax_moe.ops.permute(x, ids, s)
-
-    fused = jax.jit(lambda r, x, s: jax_moe.ops.route_and_permute(r, x, s, bias), donate_argnums=2)
-    with jax.default_device(gpu):
-        dirty_x = jax.random.normal(jax.random.key(2), (max_tokens, config.hidden_size)).astype(jnp.bfloat16)
-        dirty_ids = jax.random.randint(jax.random.key(3), (max_tokens, config.top_k), 0, config.num_experts)
-        dirty = jax.jit(jax_moe.ops.permute)(dirty_x, dirty_ids, init_scratch(config))
-        assert "jax_moe_decode_route_permute" in fused.lower(router, x, dirty).compile().as_text()
-        want = jax.jit(two_calls)(router, x, jax.tree.map(jnp.copy, dirty))
-        scratch = dirty
-        for _ in range(3):
-            got = fused(router, x, scratch)
-            scratch = got[3]
-            for a, b in zip(got[:3], want[:3]):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-            live = int(want[3].expert_offsets[-1])
-            assert live == int(got[3].expert_offsets[-1]) > 0
-            for buffer in ("src_index", "group_sizes", "expert_offsets"):
-                np.testing.assert_array_equal(np.asarray(getattr(got[3], buffer)), np.asarray(getattr(want[3], buffer)))
-            np.testing.assert_array_equal(np.asarray(got[3].dest_index[:num_tokens]),
-                                          np.asarray(want[3].dest_index[:num_tokens]))
-            np.testing.assert_array_equal(np.asarray(got[3].permuted[:live], F32), np.asarray(want[3].permuted[:live], F32))
-            assert int(got[3].workspace[-1]) == 0
-        # The rows are x's: each kept route's row holds its token, padding rows zero.
-        dest = np.asarray(got[3].dest_index[:num_tokens])
-        rows = np.asarray(got[3].permuted, F32)
-        for t, j in zip(*np.nonzero(dest >= 0)):
-            np.testing.assert_array_equal(rows[dest[t, j]], np.asarray(x[t], F32))
-        padding = np.asarray(got[3].src_index[:live]) < 0
-        assert not rows[:live][padding].any()
-        assert (np.asarray(got[3].src_index[live:]) == -1).all()
-        if "map" in case:  # some routes are dropped, the others kept
-            assert (dest < 0).any() and (dest >= 0).any()
-
-
-_ROUTE_PERMUTE_COMMAND_BUFFER_SCRIPT = """
-import jax, jax.numpy as jnp, numpy as np, jax_moe
-config = jax_moe.MoEConfig(num_experts=64, top_k=6, hidden_size=256, max_tokens=8, dtype=jnp.bfloat16, align=2)
-router = (jax.random.normal(jax.random.key(1), (256, 64)) / 16).astype(jnp.bfloat16)
-fused = jax.jit(jax_moe.ops.route_and_permute, donate_argnums=2)
-
-@jax.jit
-def two_calls(router, x, s):
-    weights, ids, logits, s = jax_moe.ops.route_decode(router, x, s)
-    return weights, ids, logits, jax_moe.ops.permute(x, ids, s)
-
-s, s2 = jax_moe.init_scratch(config), jax_moe.init_scratch(config)
-for seed in range(4):
-    x = jax.random.normal(jax.random.key(10 + seed), (2, 256)).astype(jnp.bfloat16)
-    got, want = fused(router, x, s), two_calls(router, x, s2)
-    s, s2 = got[3], want[3]
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-    for name in ("src_index", "group_sizes", "expert_offsets"):
-        np.testing.assert_array_equal(np.asarray(getattr(s, name)), np.asarray(getattr(s2, name)))
-    live = int(s.expert_offsets[-1])
-    np.testing.assert_array_equal(np.asarray(s.permuted[:live], np.float32), np.asarray(s2.permuted[:live], np.float32))
-print("command buffer runs match")
-"""
-
-
-@pytest.mark.gpu
-def test_gpu_route_and_permute_in_a_command_buffer():
-    """Recorded into CUDA graphs (command buffers forced down to one-op graphs), the one-launch
-    route and permute follows every run's tokens, as the two calls do."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
-                        " --xla_gpu_graph_min_graph_size=1").strip()
-    result = subprocess.run([sys.executable, "-c", _ROUTE_PERMUTE_COMMAND_BUFFER_SCRIPT], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "command buffer runs match" in result.stdout
-
-
-def test_route_and_permute_elsewhere_and_its_gradient_are_the_two_calls(monkeypatch):
-    """Off the GPU (forced with the CUDA module present, and without it) route_and_permute is
-    route_decode then permute: the same results and scratch, and its gradient in router and x is
-    the two calls' (the router's backward plus permute's)."""
-    config = MoEConfig(num_experts=16, top_k=4, hidden_size=64, max_tokens=3, dtype=jnp.bfloat16, align=2,
-                       **DEEPSEEK_LIKE)
-    rng = np.random.default_rng(9)
-    router = jnp.asarray(rng.standard_normal((64, 16)) / 8, jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
-    bias = jnp.asarray(rng.standard_normal(16) / 8, F32)
-    d_rows = jnp.asarray(rng.standard_normal((config.capacity, 64)), F32)
-    d_weights = jnp.asarray(rng.standard_normal((3, 4)), F32)
-
-    def loss(route, router, x):
-        weights, _, logits, scratch = route(router, x)
-        return (jnp.sum(scratch.permuted.astype(F32) * d_rows) + jnp.sum(weights * d_weights)
-                + jnp.sum(logits) / 7)
-
-    def two_calls(router, x):
-        weights, ids, logits, scratch = jax_moe.ops.route_decode(router, x, init_scratch(config), bias)
-        return weights, ids, logits, jax_moe.ops.permute(x, ids, scratch)
-
-    def fused(router, x):
-        return jax_moe.ops.route_and_permute(router, x, init_scratch(config), bias)
-
-    for has_cuda in (False, True):
-        monkeypatch.setattr(jax_moe._native, "HAS_CUDA", has_cuda)
-        monkeypatch.setattr(jax_moe._native, "decode_route_slices", lambda hidden: 1)
-        with jax.default_device(jax.devices("cpu")[0]):
-            got, want = jax.jit(fused)(router, x), jax.jit(two_calls)(router, x)
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-                np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(b, F32))
-            grads = [jax.jit(jax.grad(lambda r, x, f=f: loss(f, r, x), argnums=(0, 1)))(router, x)
-                     for f in (fused, two_calls)]
-        assert jax_moe.ops.route_permute_fits(config, 3, router.dtype) == has_cuda
-        for g, w in zip(*grads):
-            np.testing.assert_array_equal(np.asarray(g, F32), np.asarray(w, F32))
-        assert np.abs(np.asarray(grads[0][1], F32)).sum() > 0
-
-
-def test_route_permute_fits_its_limits(monkeypatch):
-    monkeypatch.setattr(jax_moe._native, "HAS_CUDA", True)
-    fits = jax_moe.ops.route_permute_fits
-    qwen3 = MoEConfig(num_experts=128, top_k=8, hidden_size=2048, max_tokens=64, dtype=jnp.bfloat16)
-    deepseek = MoEConfig(num_experts=256, top_k=8, hidden_size=7168, max_tokens=64, dtype=jnp.bfloat16)
-    assert fits(qwen3, 1, jnp.bfloat16) and fits(qwen3, 2, jnp.bfloat16) and fits(deepseek, 2, jnp.bfloat16)
-    assert not fits(deepseek, 3, jnp.bfloat16)  # 3 * 8 * 7168 * 2 bytes of rows for one block to copy
-    assert not fits(qwen3, 1, jnp.float32)  # where the router is not the kernel's, neither is the permute
-    monkeypatch.setattr(jax_moe.ops, "ROUTE_PERMUTE_MAX_BYTES", -1)
-    assert not fits(qwen3, 1, jnp.bfloat16)
-
-
 def test_route_decode_elsewhere_is_route_logits(monkeypatch):
     """Where the CUDA module exists but the program runs on a CPU the XLA branch is taken (forced
     here: the platform branch is chosen when lowering), and without the module always: the
@@ -542,8 +372,7 @@ def test_gpu_decode_stack_uses_the_decode_router_and_training_does_not(routing_n
                              shared_ffn_size=128)
     x = jax.random.normal(jax.random.key(1), (num_tokens, 256)).astype(jnp.bfloat16)
     step = jax.jit(lambda p, x, s: moe_stack(p, x, s, with_aux=True))
-    hlo = step.lower(params, x, init_scratch(config)).compile().as_text()
-    assert "jax_moe_decode_route_permute" in hlo and '"jax_moe_permute"' not in hlo  # one launch routes, permutes
+    assert "jax_moe_decode_route" in step.lower(params, x, init_scratch(config)).compile().as_text()
     got, _, aux = step(params, x, init_scratch(config))
     want = baseline_moe_stack(params, x, config)
     np.testing.assert_allclose(np.asarray(got, F32), np.asarray(want, F32), rtol=3e-2, atol=3e-2)

@@ -7,8 +7,6 @@ scratch donated and threaded step to step, routing by each layer's own router), 
   the path before it), so the crossover is measured in the same run;
 - ``jax_moe/shared-apart`` (models with a shared expert, where it rides the routed experts'
   decode launches): the same step with the shared expert in launches of its own;
-- ``jax_moe/route-permute-apart`` (where the decode router permutes the tokens itself,
-  ``ops.route_permute_fits``): the same step with the permute in a launch of its own;
 - ``jax_moe/fp8``: the same step on FP8 experts (``jax_moe.fp8``: e4m3 weights, a float32 scale
   per 128 x 128 block; the same draws, quantised; the rows quantised per 1 x 128 group; the kernels
   ``gemm.fp8_decode_rows`` picks: the FP8 decode kernel at few rows per expert), where H and F are
@@ -17,7 +15,6 @@ scratch donated and threaded step to step, routing by each layer's own router), 
   CUTLASS's FP8 grouped GEMM), the FP8 crossover measured in the same run;
 - ``jax_moe/fp8-shared-apart`` (where an FP8 shared expert rides the FP8 decode launches,
   ``experts.fp8_shared_rides_decode``): the FP8 step with the shared expert in a call of its own;
-- ``jax_moe/fp8-route-permute-apart``: the FP8 step with the permute in a launch of its own;
 - the PyTorch + Hugging Face peer: L transformers ``Qwen3MoeSparseMoeBlock``s (torch grouped_mm)
   in the same residual stack, the forward captured in one CUDA graph, its own process.
 
@@ -43,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe
-from jax_moe import experts, fp8, gemm, ops
+from jax_moe import experts, fp8, gemm
 from jax_moe.bench import timing, torch_peer
 from jax_moe.bench.models import MODELS as MODEL_SHAPES
 from jax_moe.bench.models import ROW_DTYPE, ModelShape
@@ -60,11 +57,9 @@ PEER_STEPS, PEER_WARMUP, PEER_TIMEOUT_S = 50, 5, 300
 DENSE_TFLOPS = 790.0  # bf16 dense rate of the H200 (DESIGN.md §7b), for the FLOP roofline only
 VARIANTS = ("jax_moe", "jax_moe/cutlass")
 SHARED_APART = "jax_moe/shared-apart"
-ROUTE_PERMUTE_APART = "jax_moe/route-permute-apart"
 FP8_VARIANT = "jax_moe/fp8"
 FP8_VARIANTS = (FP8_VARIANT, "jax_moe/fp8-cutlass")
 FP8_SHARED_APART = "jax_moe/fp8-shared-apart"
-FP8_ROUTE_PERMUTE_APART = "jax_moe/fp8-route-permute-apart"
 METHOD = ("Per layer = back-to-back step time / L (" + timing.STEP_METHOD + "). Roofline = (bytes of the "
           "experts owning rows, counted from the step's routing and averaged over layers, + shared expert "
           "+ router) / copy rate of the same run. Peer: transformers Qwen3MoeSparseMoeBlock stack with torch "
@@ -97,23 +92,6 @@ def shared_in_decode_launch(enabled: bool):
         yield
     finally:
         experts.SHARED_IN_DECODE_LAUNCH = saved
-
-
-@contextlib.contextmanager
-def route_permute_in_router(enabled: bool):
-    """Traces inside let the decode router permute the tokens itself (as shipped) or not."""
-    saved = ops.ROUTE_PERMUTE_MAX_BYTES
-    ops.ROUTE_PERMUTE_MAX_BYTES = saved if enabled else -1
-    try:
-        yield
-    finally:
-        ops.ROUTE_PERMUTE_MAX_BYTES = saved
-
-
-def _route_permutes(config, tokens: int) -> bool:
-    """Whether a layer of the stack permutes in the decode router at these sizes (on a GPU)."""
-    return (jax.default_backend() == "gpu" and tokens <= ops.DECODE_ROUTE_TOKENS
-            and ops.route_permute_fits(config, tokens, ROW_DTYPE))
 
 
 def fp8_decode_kernel(enabled: bool):
@@ -201,11 +179,9 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
         layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)  # (no copy of a layer)
         fused = experts.shared_rides_decode(layer, x, gemm.pick_tile(
             config.live_row_bound(tokens), config.num_local_experts, config.group_row_bound(tokens)))
-        extra = ((SHARED_APART,) if fused else ()) + ((ROUTE_PERMUTE_APART,) if _route_permutes(config, tokens) else ())
-        for variant in VARIANTS + extra:
+        for variant in VARIANTS + ((SHARED_APART,) if fused else ()):
             rows.append(row := {**base, "impl": variant})
-            with decode_kernel(variant != "jax_moe/cutlass"), shared_in_decode_launch(variant != SHARED_APART), \
-                    route_permute_in_router(variant != ROUTE_PERMUTE_APART):
+            with decode_kernel(variant != "jax_moe/cutlass"), shared_in_decode_launch(variant != SHARED_APART):
                 _time_step(params, x, config, layers, row)
         if peer is not None:
             rows.append({**base, "impl": "peer", **{k: v for k, v in peer.get(tokens, {}).items()
@@ -219,13 +195,10 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
         for tokens, (config, x) in inputs.items():
             bytes_read = layer_bytes(model, params, bases[tokens]["active_experts"])
             rides = experts.fp8_shared_rides_decode(layer, x, config.live_row_bound(tokens), config.num_local_experts)
-            extra = (((FP8_SHARED_APART,) if rides else ())
-                     + ((FP8_ROUTE_PERMUTE_APART,) if _route_permutes(config, tokens) else ()))
-            for variant in FP8_VARIANTS + extra:
+            for variant in FP8_VARIANTS + ((FP8_SHARED_APART,) if rides else ()):
                 rows.append(row := {**bases[tokens], "impl": variant, "bytes_per_layer": bytes_read,
                                     "roofline_us": roofline(bytes_read)})
-                with fp8_decode_kernel(variant != FP8_VARIANTS[1]), shared_in_decode_launch(variant != FP8_SHARED_APART), \
-                        route_permute_in_router(variant != FP8_ROUTE_PERMUTE_APART):
+                with fp8_decode_kernel(variant != FP8_VARIANTS[1]), shared_in_decode_launch(variant != FP8_SHARED_APART):
                     _time_step(params, x, config, layers, row)
             _log(clock, rows, model, tokens)
         del params
@@ -318,28 +291,25 @@ def table(rows: list[dict]) -> str:
         first = next(iter(by.values()))
         line = [first["label"], str(tokens), f"{first['active_experts']:.1f}", fmt_us(first.get("roofline_us")),
                 first["tile"]]
-        for impl in (*VARIANTS, SHARED_APART, ROUTE_PERMUTE_APART, "peer"):
+        for impl in (*VARIANTS, SHARED_APART, "peer"):
             r = by.get(impl, {})
             line += [fmt_us(r.get("us_per_layer")), fmt_pct(r.get("pct_roofline"))]
         ours, peer, fp8_row = by.get("jax_moe", {}), by.get("peer", {}), by.get(FP8_VARIANT, {})
         fp8_cutlass, fp8_apart = by.get(FP8_VARIANTS[1], {}), by.get(FP8_SHARED_APART, {})
-        fp8_permute_apart = by.get(FP8_ROUTE_PERMUTE_APART, {})
         line.append(f"{peer['us_per_layer'] / ours['us_per_layer']:.2f}x"
                     if ours.get("us_per_layer") and peer.get("us_per_layer") else "–")
         line += [fmt_us(fp8_row.get("roofline_us")), fmt_us(fp8_row.get("us_per_layer")),
                  fmt_pct(fp8_row.get("pct_roofline")), fmt_us(fp8_cutlass.get("us_per_layer")),
                  fmt_pct(fp8_cutlass.get("pct_roofline")), fmt_us(fp8_apart.get("us_per_layer")),
-                 fmt_pct(fp8_apart.get("pct_roofline")), fmt_us(fp8_permute_apart.get("us_per_layer")),
-                 fmt_pct(fp8_permute_apart.get("pct_roofline")),
+                 fmt_pct(fp8_apart.get("pct_roofline")),
                  f"{ours['us_per_layer'] / fp8_row['us_per_layer']:.2f}x"
                  if ours.get("us_per_layer") and fp8_row.get("us_per_layer") else "–"]
         lines.append(line)
     return md_table(["model", "T", "experts read", "roofline µs", "kernel", "jax_moe µs", "% roofline",
                      "CUTLASS path µs", "% roofline", "shared expert apart µs", "% roofline",
-                     "permute apart µs", "% roofline", "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
+                     "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
                      "FP8 roofline µs", "FP8 µs", "% FP8 roofline", "FP8 CUTLASS path µs", "% FP8 roofline",
-                     "FP8 shared apart µs", "% FP8 roofline", "FP8 permute apart µs", "% FP8 roofline",
-                     "FP8 vs bf16"], lines)
+                     "FP8 shared apart µs", "% FP8 roofline", "FP8 vs bf16"], lines)
 
 
 def markdown(record: dict) -> str:
