@@ -231,6 +231,25 @@ def test_decode_suite_measures_each_model_in_a_process_of_its_own_when_asked():
     assert rows == [] and any("decode tiny: failed" in n and "status 1" in n for n in notes)
 
 
+def test_decode_suite_sizes_the_scratch_for_a_server_when_asked():
+    """scratch_tokens (--scratch-tokens): the step decodes T tokens on a scratch sized for more, as a
+    server does on its prefill scratch; the same routing and bytes as the T-sized scratch, in this
+    process and in a child's; the note says so; the CLI takes it for the decode suite only."""
+    small, _ = decode_suite.run([TINY], (2,), timing.Clock(), 1, with_peer=False, isolate=False)
+    rows, notes = decode_suite.run([TINY], (2,), timing.Clock(), 1, with_peer=False, isolate=False,
+                                   scratch_tokens=64)
+    child = decode_suite.measure_model_in_child(TINY, (2,), None, None, timeout_s=300, scratch_tokens=64)
+    assert {r["scratch_tokens"] for r in small} == {2} and {r["scratch_tokens"] for r in rows + child} == {64}
+    for got in (rows, child):
+        for row, want in zip(got, small):
+            assert "error" not in row, row
+            assert (row["impl"], row["active_experts"], row["bytes_per_layer"]) == (
+                want["impl"], want["active_experts"], want["bytes_per_layer"])
+    assert any("max(T, 64)" in n for n in notes)
+    with pytest.raises(SystemExit):
+        cli.main(["--suite", "train", "--scratch-tokens", "64"])
+
+
 def test_decode_suite_cutlass_variant_switches_off_every_decode_pick():
     """The `jax_moe/cutlass` column must be the decode kernel's absence everywhere it is picked:
     at T <= 2 and, over many experts, past two rows a group (the fine-grained rule)."""

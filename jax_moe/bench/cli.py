@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="programs compiled concurrently (default min(8, CPUs))")
     parser.add_argument("--no-peer", action="store_true",
                         help="train and decode suites: skip the PyTorch + Hugging Face peer (its own process)")
+    parser.add_argument("--scratch-tokens", type=int, default=None, metavar="N",
+                        help="decode suite: size each step's scratch for max(T, N) tokens, as a server that "
+                             "decodes on the scratch it prefilled with (default: T)")
     parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                         help="start no new shape after this many seconds; what ran is still written")
     args = parser.parse_args(argv)
@@ -54,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [m for m in args.models or () if m not in shapes.MODELS]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; known: {list(shapes.MODELS)}")
+    if args.scratch_tokens is not None and (args.scratch_tokens < 1 or args.suite != "decode"):
+        parser.error(f"--scratch-tokens: expected a positive count with --suite decode, got {args.scratch_tokens} "
+                     f"with --suite {args.suite}")
     if args.layers is not None:
         args.layers = tuple(args.layers)
         if not 1 <= args.layers[0] < args.layers[1]:
@@ -146,7 +152,8 @@ def main(argv=None) -> dict:
         records[args.suite] = _run_suite(
             args.suite,
             functools.partial(suite.run, models, tokens, clock, args.compile_threads,
-                              time_limit_s=args.time_limit, with_peer=not args.no_peer),
+                              time_limit_s=args.time_limit, with_peer=not args.no_peer,
+                              **({"scratch_tokens": args.scratch_tokens} if args.suite == "decode" else {})),
             suite.markdown, {"method": suite.METHOD}, out_dir, clock, env)
 
     print(flush=True)

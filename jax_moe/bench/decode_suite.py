@@ -151,8 +151,12 @@ def _log(clock, rows, model: ModelShape, tokens: int) -> None:
         for r in mine))
 
 
-def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict | None) -> list[dict]:
-    """jax_moe's rows (all variants) and, with ``peer`` (run_peer's results), the peer's."""
+def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict | None,
+                  scratch_tokens: int | None = None) -> list[dict]:
+    """jax_moe's rows (all variants) and, with ``peer`` (run_peer's results), the peer's.
+
+    scratch_tokens: each step's scratch holds max(T, scratch_tokens) tokens (a server decoding on
+    the scratch it prefilled with); None: T, the smallest."""
     layers = _layers(model)
     key = jax.random.PRNGKey(0)
     stack_args = (key, model.config(max(token_counts)), layers, model.ffn_size)
@@ -162,15 +166,16 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
         return bytes_read / (copy_gbs * 1e3) if copy_gbs else None
 
     # Each T's config and tokens, the same for the bf16 and the FP8 stack.
-    inputs = {tokens: (model.config(tokens), jax.random.normal(jax.random.fold_in(key, tokens),
-                                                               (tokens, model.hidden_size), ROW_DTYPE))
+    inputs = {tokens: (model.config(max(tokens, scratch_tokens or 0)),
+                       jax.random.normal(jax.random.fold_in(key, tokens), (tokens, model.hidden_size), ROW_DTYPE))
               for tokens in token_counts}
     rows, bases = [], {}
     for tokens, (config, x) in inputs.items():
         active = _active_experts(params, x, config)
         bytes_read = layer_bytes(model, params, active)
         base = bases[tokens] = {
-            "model": model.name, "label": model.label, "T": tokens, "layers": layers, "active_experts": active,
+            "model": model.name, "label": model.label, "T": tokens, "scratch_tokens": config.max_tokens,
+            "layers": layers, "active_experts": active,
             "bytes_per_layer": bytes_read, "roofline_us": roofline(bytes_read),
             "flop_roofline_us": 2 * tokens * model.top_k * model.hidden_size * 3 * model.ffn_size
             / (DENSE_TFLOPS * 1e6),
@@ -209,7 +214,7 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
 
 
 def measure_model_in_child(model: ModelShape, token_counts, copy_gbs, peer: dict | None,
-                           timeout_s: float | None = None) -> list[dict]:
+                           timeout_s: float | None = None, scratch_tokens: int | None = None) -> list[dict]:
     """``measure_model`` in a process of its own (``_child_main(SPEC, OUT)``).
 
     Its device memory goes back to the card when it exits. In one process, Qwen3.5-397B (103 GB of
@@ -224,7 +229,7 @@ def measure_model_in_child(model: ModelShape, token_counts, copy_gbs, peer: dict
     with tempfile.TemporaryDirectory() as folder:
         spec, out = pathlib.Path(folder, "spec.json"), pathlib.Path(folder, "rows.json")
         spec.write_text(json.dumps({"model": model.name, "tokens": list(token_counts), "copy_gbs": copy_gbs,
-                                    "peer": peer}))
+                                    "peer": peer, "scratch_tokens": scratch_tokens}))
         try:
             # -c, not -m: jax_moe.bench imports this module, and runpy warns when -m runs it again.
             done = subprocess.run([sys.executable, "-c", _CHILD, str(spec), str(out)], timeout=timeout_s)
@@ -243,15 +248,16 @@ def _child_main(argv: list[str]) -> None:
     spec_path, out_path = argv
     spec = json.loads(pathlib.Path(spec_path).read_text())
     peer = None if spec["peer"] is None else {int(t): r for t, r in spec["peer"].items()}  # JSON keys are str
-    rows = measure_model(MODEL_SHAPES[spec["model"]], tuple(spec["tokens"]), timing.Clock(), spec["copy_gbs"], peer)
+    rows = measure_model(MODEL_SHAPES[spec["model"]], tuple(spec["tokens"]), timing.Clock(), spec["copy_gbs"], peer,
+                         spec["scratch_tokens"])
     pathlib.Path(out_path).write_text(json.dumps(rows))
 
 
 def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_limit_s=None, on_rows=None,
-        with_peer: bool = True, isolate: bool | None = None):
+        with_peer: bool = True, isolate: bool | None = None, scratch_tokens: int | None = None):
     """Every model's rows and the notes. isolate: each model in a process of its own
     (``measure_model_in_child``); by default for more than one model on a GPU, when this process
-    does not preallocate the card's memory (as the CLI sets it)."""
+    does not preallocate the card's memory (as the CLI sets it). scratch_tokens: as ``measure_model``'s."""
     del compile_threads  # one program at a time: each holds the model's weights
     if isolate is None:
         isolate = (len(models) > 1 and jax.default_backend() == "gpu"
@@ -269,6 +275,8 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_
             notes.append(f"{model.name}: peer: {errors[0]}")
     copy = copy_ceiling_gbs(clock)
     notes.append(f"copy ceiling: {copy:.0f} GB/s" if copy else "copy ceiling: not measured (no roofline)")
+    if scratch_tokens:
+        notes.append(f"scratch sized for max(T, {scratch_tokens}) tokens (a server's prefill scratch), not T")
     rows = []
     for model in models:
         if clock.out_of_time(time_limit_s, notes, f"decode {model.name}"):
@@ -276,9 +284,10 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_
         if isolate:
             remaining = None if time_limit_s is None else max(60.0, time_limit_s - clock.elapsed())
             measure = functools.partial(measure_model_in_child, model, token_counts, copy, peers.get(model.name),
-                                        remaining)
+                                        remaining, scratch_tokens)
         else:
-            measure = functools.partial(measure_model, model, token_counts, clock, copy, peers.get(model.name))
+            measure = functools.partial(measure_model, model, token_counts, clock, copy, peers.get(model.name),
+                                        scratch_tokens)
         timing.measure_isolated(rows, notes, clock, f"decode {model.name}: failed", measure, on_rows)
     return rows, notes
 
