@@ -4,7 +4,6 @@
 #include "gpu_ops.h"
 #include "grouped_gemm.h"
 #include "grouped_gemm_fp8.h"
-#include "decode_layer.h"
 #include "route_kernels.h"
 
 namespace {
@@ -27,7 +26,6 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
     handlers["jax_moe_decode_matmul"] = Capsule(JaxMoeDecodeMatmulCuda);
     handlers["jax_moe_decode_matmul_shared"] = Capsule(JaxMoeDecodeMatmulSharedCuda);
     handlers["jax_moe_decode_route"] = Capsule(JaxMoeDecodeRouteCuda);
-    handlers["jax_moe_decode_layer"] = Capsule(JaxMoeDecodeLayerCuda);
     handlers["jax_moe_fp8_grouped_matmul"] = Capsule(JaxMoeFp8GroupedMatmulCuda);
     handlers["jax_moe_fp8_swiglu_experts"] = Capsule(JaxMoeFp8SwigluExpertsCuda);
     handlers["jax_moe_fp8_decode_swiglu"] = Capsule(JaxMoeFp8DecodeSwigluCuda);
@@ -44,8 +42,4 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
         "Workspace bytes the FP8 grouped GEMM needs for num_groups experts.");
   m.def("decode_route_slices", &jax_moe::DecodeRouteSlices, pybind11::arg("hidden"),
         "Slices of H the decode router's reduction is split into (the leading axis of its partial sums).");
-  m.def("decode_layer_fits", &jax_moe::DecodeLayerFits, pybind11::arg("num_tokens"), pybind11::arg("top_k"),
-        pybind11::arg("num_experts"), pybind11::arg("hidden"), pybind11::arg("ffn"), pybind11::arg("shared_ffn"),
-        "Whether the one-launch decode layer kernel takes these sizes (bf16).");
-  m.attr("DECODE_LAYER_COUNTER_WORDS") = jax_moe::kDecodeLayerCounterWords;
 }

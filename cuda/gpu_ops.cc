@@ -4,12 +4,10 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "decode_gemm.h"
-#include "decode_layer.h"
 #include "ffi_shapes.h"
 #include "gpu_kernels.h"
 #include "grouped_gemm.h"
@@ -397,68 +395,6 @@ ffi::Error DecodeRouteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   return CudaStatus(LaunchDecodeRoute(args, stream), "decode_route");
 }
 
-// The decode layer's experts in one launch (decode_layer.h). x, residual [T, H] bf16; ids, weights
-// [T, k]; gate_up [E, H, 2F], down [E, F, H] bf16; the shared expert's [H, 2Fs], [Fs, H] and gate
-// [H] (each [1] without has_shared / gated_shared); workspace: the scratch's, whose words just
-// before its last hold the kernel's counters. out is residual's buffer (aliased); hidden, rows_out
-// and gate_logits are temporaries.
-ffi::Error DecodeLayerImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                           ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer gate_up,
-                           ffi::AnyBuffer down, ffi::AnyBuffer shared_gate_up, ffi::AnyBuffer shared_down,
-                           ffi::AnyBuffer shared_gate, ffi::Buffer<ffi::S32>, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer> hidden, ffi::Result<ffi::AnyBuffer> rows_out,
-                           ffi::Result<ffi::Buffer<ffi::F32>> gate_logits, ffi::Result<ffi::Buffer<ffi::S32>> workspace,
-                           bool has_shared, bool gated_shared) {
-  const auto xd = x.dimensions(), id = topk_ids.dimensions(), gd = gate_up.dimensions(), dd = down.dimensions();
-  const bool bf16 = x.element_type() == ffi::BF16 && residual.element_type() == ffi::BF16 &&
-                    gate_up.element_type() == ffi::BF16 && down.element_type() == ffi::BF16 &&
-                    out->element_type() == ffi::BF16 && hidden->element_type() == ffi::BF16 &&
-                    rows_out->element_type() == ffi::BF16;
-  if (!bf16 || xd.size() != 2 || id.size() != 2 || gd.size() != 3 || dd.size() != 3 || id[0] != xd[0] ||
-      gd[1] != xd[1] || dd[0] != gd[0] || dd[2] != xd[1] || gd[2] != 2 * dd[1] ||
-      residual.element_count() != x.element_count() || out->element_count() != x.element_count() ||
-      topk_weights.element_count() != topk_ids.element_count())
-    return InvalidArgument("decode_layer: expected bf16 x, residual [T, H], ids and weights [T, k], gate_up "
-                           "[E, H, 2F], down [E, F, H]");
-  DecodeLayerArgs args;
-  args.num_tokens = xd[0], args.top_k = id[1], args.num_experts = gd[0], args.hidden_size = xd[1], args.ffn = dd[1];
-  if (has_shared) {
-    const auto sg = shared_gate_up.dimensions(), sd = shared_down.dimensions();
-    if (sg.size() != 2 || sd.size() != 2 || sg[0] != xd[1] || sd[1] != xd[1] || sg[1] != 2 * sd[0] ||
-        shared_gate_up.element_type() != ffi::BF16 || shared_down.element_type() != ffi::BF16 ||
-        (gated_shared && (shared_gate.element_type() != ffi::BF16 ||
-                          static_cast<int64_t>(shared_gate.element_count()) != xd[1])))
-      return InvalidArgument("decode_layer: expected bf16 shared_gate_up [H, 2Fs], shared_down [Fs, H], "
-                             "shared_gate [H]");
-    args.shared_ffn = sd[0];
-    args.shared_gate_up = shared_gate_up.untyped_data();
-    args.shared_down = shared_down.untyped_data();
-    args.shared_gate = gated_shared ? shared_gate.untyped_data() : nullptr;
-  }
-  if (!DecodeLayerFits(args.num_tokens, args.top_k, args.num_experts, args.hidden_size, args.ffn, args.shared_ffn))
-    return InvalidArgument("decode_layer: sizes outside the kernel's (decode_layer.h DecodeLayerFits)");
-  const int64_t rows = args.num_tokens * (args.top_k + 1), pitch = std::max(args.ffn, args.shared_ffn);
-  if (static_cast<int64_t>(hidden->element_count()) != rows * pitch ||
-      static_cast<int64_t>(rows_out->element_count()) != rows * args.hidden_size ||
-      static_cast<int64_t>(gate_logits->element_count()) != args.num_tokens ||
-      static_cast<int64_t>(workspace->element_count()) < kDecodeLayerCounterWords + 1)
-    return InvalidArgument("decode_layer: expected hidden [T (k + 1), max(F, Fs)], rows_out [T (k + 1), H], "
-                           "gate_logits [T] and a workspace of its counters and the router's");
-  args.x = x.untyped_data();
-  args.residual = residual.untyped_data();
-  args.topk_ids = topk_ids.typed_data();
-  args.topk_weights = topk_weights.typed_data();
-  args.gate_up = gate_up.untyped_data();
-  args.down = down.untyped_data();
-  args.hidden = hidden->untyped_data();
-  args.rows_out = rows_out->untyped_data();
-  args.gate_logits = gate_logits->typed_data();
-  args.out = out->untyped_data();
-  // The words just before the decode router's counter (the workspace's last word).
-  args.counters = workspace->typed_data() + workspace->element_count() - 1 - kDecodeLayerCounterWords;
-  return CudaStatus(LaunchDecodeLayer(args, stream), "decode_layer");
-}
-
 // The FP8 grouped GEMM (grouped_gemm_fp8.h). rows [R, K] bf16 are
 // quantised per 1 x 128 group into the q_rows / row_scale results (temporaries of the call), then
 // multiplied with weights [El, N, K] float8_e4m3fn and their scales [El, N / 128, K / 128].
@@ -841,28 +777,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeRouteCuda, jax_moe::DecodeRouteImpl,
                                   .Attr<float>("scaling")
                                   .Attr<int64_t>("n_group")
                                   .Attr<int64_t>("topk_group"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeLayerCuda, jax_moe::DecodeLayerImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // x [T, H], bf16
-                                  .Arg<ffi::AnyBuffer>()               // residual [T, H], bf16 (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // topk_ids [T, k]
-                                  .Arg<ffi::Buffer<ffi::F32>>()        // topk_weights [T, k]
-                                  .Arg<ffi::AnyBuffer>()               // gate_up [E, H, 2F]
-                                  .Arg<ffi::AnyBuffer>()               // down [E, F, H]
-                                  .Arg<ffi::AnyBuffer>()               // shared_gate_up [H, 2Fs] or [1]
-                                  .Arg<ffi::AnyBuffer>()               // shared_down [Fs, H] or [1]
-                                  .Arg<ffi::AnyBuffer>()               // shared_gate [H] or [1]
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
-                                  .Ret<ffi::AnyBuffer>()               // out [T, H]
-                                  .Ret<ffi::AnyBuffer>()               // hidden (temporary)
-                                  .Ret<ffi::AnyBuffer>()               // rows_out (temporary)
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // gate_logits [T] (temporary)
-                                  .Ret<ffi::Buffer<ffi::S32>>()        // workspace
-                                  .Attr<bool>("has_shared")
-                                  .Attr<bool>("gated_shared"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8GroupedMatmulCuda, jax_moe::Fp8GroupedMatmulImpl,

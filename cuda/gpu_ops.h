@@ -15,7 +15,6 @@ XLA_FFI_Error* JaxMoeGroupedMatmulIntoCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeMatmulCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeMatmulSharedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeRouteCuda(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxMoeDecodeLayerCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8GroupedMatmulCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8SwigluExpertsCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8DecodeSwigluCuda(XLA_FFI_CallFrame* call_frame);

@@ -17,7 +17,6 @@ GATHER_ROWS_TARGET = "jax_moe_gather_rows"  # CUDA only
 DECODE_MATMUL_TARGET = "jax_moe_decode_matmul"  # CUDA only
 DECODE_MATMUL_SHARED_TARGET = "jax_moe_decode_matmul_shared"  # CUDA only
 DECODE_ROUTE_TARGET = "jax_moe_decode_route"  # CUDA only
-DECODE_LAYER_TARGET = "jax_moe_decode_layer"  # CUDA only
 FP8_GROUPED_MATMUL_TARGET = "jax_moe_fp8_grouped_matmul"  # CUDA only
 FP8_SWIGLU_EXPERTS_TARGET = "jax_moe_fp8_swiglu_experts"  # CUDA only
 FP8_DECODE_SWIGLU_TARGET = "jax_moe_fp8_decode_swiglu"  # CUDA only
@@ -58,17 +57,6 @@ def fp8_grouped_matmul_workspace_bytes(num_groups: int) -> int:
 def decode_route_slices(hidden: int) -> int:
     """Slices of H the CUDA decode router sums separately (its partial sums' leading axis)."""
     return int(_CUDA_MODULE.decode_route_slices(hidden))
-
-
-def decode_layer_fits(num_tokens: int, top_k: int, num_experts: int, hidden: int, ffn: int, shared_ffn: int) -> bool:
-    """Whether the CUDA one-launch decode layer takes these sizes; False without the module."""
-    return _CUDA_MODULE is not None and bool(
-        _CUDA_MODULE.decode_layer_fits(num_tokens, top_k, num_experts, hidden, ffn, shared_ffn))
-
-
-def decode_layer_counter_words() -> int | None:
-    """Counter words the CUDA decode layer keeps in the workspace; None without the module."""
-    return None if _CUDA_MODULE is None else int(_CUDA_MODULE.DECODE_LAYER_COUNTER_WORDS)
 
 
 _warned_gpu_fallback = False

@@ -26,16 +26,11 @@ GROUPED_MATMUL_DTYPES = (jnp.dtype(jnp.bfloat16),)
 GROUPED_MATMUL_ALIGN = 8
 
 
-# Counters of the one-launch decode layer (cuda/decode_layer.h kDecodeLayerCounterWords: a grid
-# barrier's two words and one per 16 columns of H), just before the router's word.
-DECODE_LAYER_COUNTER_WORDS = 1032
-
-# The workspace ends in COUNTER_WORDS words that permute and the GEMMs never touch: its very last
-# word is the decode router's arrival counter (cuda/route_kernels.h), the words before it the
-# decode layer's, all zero between calls: zeroed by init_scratch and reset by the kernels
-# themselves. The 32 words before those keep them clear of the GEMM's arguments whatever their
-# 128-byte alignment shift.
-COUNTER_WORDS = 32 + DECODE_LAYER_COUNTER_WORDS
+# The workspace ends in COUNTER_WORDS words that permute and the GEMMs never touch; its very last
+# word is the decode router's arrival counter (cuda/route_kernels.h), zero between calls: zeroed
+# by init_scratch and reset by the kernel itself. The room before it keeps the counter clear of
+# the GEMM's arguments whatever their 128-byte alignment shift.
+COUNTER_WORDS = 32
 
 
 def workspace_size(config: MoEConfig) -> int:

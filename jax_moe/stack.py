@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import decode_layer, gemm, ops, routing
+from jax_moe import gemm, ops, routing
 from jax_moe.config import MoEConfig
 from jax_moe.experts import (shared_experts, shared_rides_decode, swiglu_decode_with_shared, swiglu_grouped_forward,
                              swiglu_grouped_grad_but_gate_up)
@@ -118,24 +118,18 @@ def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: 
     small, gate_up, down = _split(layer_params)
     num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
     tile = gemm.pick_tile(num_rows, config.num_local_experts, group_rows)
-    # Inference at decode: the experts, the shared expert and the adds in one launch after the router
-    # (no permute), else the shared expert streaming in the routed experts' launches.
-    one_launch = not keep and decode_layer.fits(config, num_tokens, layer_params)
-    fuse_shared = not keep and not one_launch and shared_rides_decode(small, h, tile)
-    shared_apart = not (one_launch or fuse_shared)
+    # Inference at decode: the shared expert streams in the routed experts' launches.
+    fuse_shared = not keep and shared_rides_decode(small, h, tile)
     route_kernel = (num_tokens <= ops.DECODE_ROUTE_TOKENS
                     and ops.decode_route_fits(config, num_tokens, small["router"].dtype))
     if keep or not route_kernel:
-        (n, weights, logits, shared), ids = _dense(small, h, config, with_shared=shared_apart)
+        (n, weights, logits, shared), ids = _dense(small, h, config, with_shared=not fuse_shared)
     else:
         # Inference at T <= ops.DECODE_ROUTE_TOKENS: the router in one kernel. (A training forward
         # routes in XLA: its backward recomputes that routing, and must find the same ids.)
         n = rms_norm(h)
         weights, ids, logits, scratch = ops.route_decode(small["router"], n, scratch, small.get("router_bias"))
-        shared = shared_experts(small, n) if shared_apart else None
-    if one_launch:
-        h_out, scratch = decode_layer.experts_and_add(n, h, weights, ids, layer_params, scratch)
-        return h_out, scratch, logits, ids, None
+        shared = None if fuse_shared else shared_experts(small, n)
     scratch = ops.permute(n, ids, scratch)
     offsets = scratch.expert_offsets
     gate_up, down = gate_up.astype(config.dtype), down.astype(config.dtype)

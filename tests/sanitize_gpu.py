@@ -1,7 +1,7 @@
 """A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths (and
 the ranking of few routes), padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward and its adds; the grouped
 GEMM forward and its input- and weight-gradient kernels (also written into a slice of a stack); the
-SwiGLU backward's elementwise kernel (also reading from a stack); the backward's row gather; the decode kernel; the FP8 grouped GEMM (both row tiles); the decode router; the one-launch decode layer; with
+SwiGLU backward's elementwise kernel (also reading from a stack); the backward's row gather; the decode kernel; the FP8 grouped GEMM (both row tiles); the decode router; with
 --stack, the training stack's gradients. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
@@ -214,32 +214,6 @@ for num_tokens, experts, hidden_size, extra in ((1, 128, 2048, {}), (12, 256, 71
     print("decode route T", num_tokens, "E", experts, "ids in range", bool(((np.asarray(ids) >= 0)
           & (np.asarray(ids) < experts)).all()), "weights finite", bool(np.isfinite(np.asarray(weights)).all()),
           "counter zero", int(scratch.workspace[-1]) == 0)
-
-# The one-launch decode layer (jax_moe.decode_layer): dropped and repeated routes, no shared
-# expert, a plain and a gated one, T from 1 to 8 (its four row templates); counters left zero.
-for num_tokens, experts, hidden_size, ffn, shared_ffn, gated in ((1, 128, 2048, 768, 0, False),
-                                                                 (3, 16, 272, 64, 96, False),
-                                                                 (8, 32, 512, 128, 160, True)):
-    config = jax_moe.MoEConfig(num_experts=experts, top_k=4, hidden_size=hidden_size, max_tokens=num_tokens)
-    rng = np.random.default_rng(6)
-    bf16 = jax.numpy.bfloat16
-    layer = {"gate_up": (rng.standard_normal((experts, hidden_size, 2 * ffn)) / 32).astype(bf16),
-             "down": (rng.standard_normal((experts, ffn, hidden_size)) / 32).astype(bf16)}
-    if shared_ffn:
-        layer["shared_gate_up"] = (rng.standard_normal((hidden_size, 2 * shared_ffn)) / 32).astype(bf16)
-        layer["shared_down"] = (rng.standard_normal((shared_ffn, hidden_size)) / 32).astype(bf16)
-        if gated:
-            layer["shared_gate"] = (rng.standard_normal((hidden_size, 1)) / 32).astype(bf16)
-    ids = rng.integers(-2, experts + 2, (num_tokens, 4)).astype(np.int32)
-    ids[0] = ids[0, 0]  # one token's routes all to one id
-    x, residual = (rng.standard_normal((num_tokens, hidden_size)).astype(bf16) for _ in range(2))
-    weights = rng.random((num_tokens, 4)).astype(np.float32)
-    out, scratch = jax.jit(jax_moe.decode_layer.experts_and_add)(x, residual, weights, ids, layer,
-                                                                 jax_moe.init_scratch(config))
-    print("decode layer T", num_tokens, "E", experts, "shared", shared_ffn, "gated", gated, "finite",
-          bool(np.isfinite(np.asarray(out, np.float32)).all()), "counters zero but the barrier's generation",
-          not np.asarray(scratch.workspace)[-1 - jax_moe.scratch.DECODE_LAYER_COUNTER_WORDS:][[0] + list(range(
-              2, jax_moe.scratch.DECODE_LAYER_COUNTER_WORDS + 1))].any())
 
 # The training stack on the grouped GEMMs (jax_moe.stack), with --stack: compute-sanitizer's
 # racecheck itself crashed (segmentation fault) while XLA compiled this step on the H200, after

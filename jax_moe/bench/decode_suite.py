@@ -3,8 +3,6 @@
 Per model and T (1 to 64 tokens): one jitted step of ``moe_stack`` over L layers (rolled scan,
 scratch donated and threaded step to step, routing by each layer's own router), µs per layer, for
 - ``jax_moe``: the kernels ``gemm.pick_tile`` chooses (the decode kernel at few rows per expert);
-- ``jax_moe/four-launch`` (where the one-launch layer runs, ``jax_moe.decode_layer``): the same
-  step with it switched off: permute, the decode kernel's two launches and unpermute_add;
 - ``jax_moe/cutlass``: the same step with the decode kernel switched off (CUTLASS grouped GEMMs:
   the path before it), so the crossover is measured in the same run;
 - ``jax_moe/shared-apart`` (models with a shared expert, where it rides the routed experts'
@@ -42,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe
-from jax_moe import decode_layer, experts, fp8, gemm
+from jax_moe import experts, fp8, gemm
 from jax_moe.bench import timing, torch_peer
 from jax_moe.bench.models import MODELS as MODEL_SHAPES
 from jax_moe.bench.models import ROW_DTYPE, ModelShape
@@ -58,7 +56,6 @@ LAYERS = {"mixtral": 8, "qwen3_30b": 16, "deepseek_v3": 4, "qwen35_397b": 8, "ti
 PEER_STEPS, PEER_WARMUP, PEER_TIMEOUT_S = 50, 5, 300
 DENSE_TFLOPS = 790.0  # bf16 dense rate of the H200 (DESIGN.md §7b), for the FLOP roofline only
 VARIANTS = ("jax_moe", "jax_moe/cutlass")
-FOUR_LAUNCH = "jax_moe/four-launch"
 SHARED_APART = "jax_moe/shared-apart"
 FP8_VARIANT = "jax_moe/fp8"
 FP8_VARIANTS = (FP8_VARIANT, "jax_moe/fp8-cutlass")
@@ -95,17 +92,6 @@ def shared_in_decode_launch(enabled: bool):
         yield
     finally:
         experts.SHARED_IN_DECODE_LAUNCH = saved
-
-
-@contextlib.contextmanager
-def one_launch_layer(enabled: bool):
-    """Traces inside take ``jax_moe.decode_layer`` where it fits (as shipped) or never."""
-    saved = decode_layer.ENABLED
-    decode_layer.ENABLED = enabled
-    try:
-        yield
-    finally:
-        decode_layer.ENABLED = saved
 
 
 def fp8_decode_kernel(enabled: bool):
@@ -196,16 +182,11 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
             "tile": gemm.TILE_NAMES[gemm.pick_tile(config.live_row_bound(tokens), config.num_local_experts,
                                                    config.group_row_bound(tokens))]}
         layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)  # (no copy of a layer)
-        one_launch = decode_layer.fits(config, tokens, layer)
-        if one_launch:
-            base["tile"] = "one launch"
         fused = experts.shared_rides_decode(layer, x, gemm.pick_tile(
             config.live_row_bound(tokens), config.num_local_experts, config.group_row_bound(tokens)))
-        for variant in VARIANTS + ((FOUR_LAUNCH,) if one_launch else ()) + ((SHARED_APART,) if fused else ()):
+        for variant in VARIANTS + ((SHARED_APART,) if fused else ()):
             rows.append(row := {**base, "impl": variant})
-            # Every variant but jax_moe measures a path without the one-launch layer.
-            with decode_kernel(variant != "jax_moe/cutlass"), shared_in_decode_launch(variant != SHARED_APART), \
-                    one_launch_layer(variant == "jax_moe"):
+            with decode_kernel(variant != "jax_moe/cutlass"), shared_in_decode_launch(variant != SHARED_APART):
                 _time_step(params, x, config, layers, row)
         if peer is not None:
             rows.append({**base, "impl": "peer", **{k: v for k, v in peer.get(tokens, {}).items()
@@ -319,7 +300,7 @@ def table(rows: list[dict]) -> str:
         first = next(iter(by.values()))
         line = [first["label"], str(tokens), f"{first['active_experts']:.1f}", fmt_us(first.get("roofline_us")),
                 first["tile"]]
-        for impl in ("jax_moe", FOUR_LAUNCH, "jax_moe/cutlass", SHARED_APART, "peer"):
+        for impl in (*VARIANTS, SHARED_APART, "peer"):
             r = by.get(impl, {})
             line += [fmt_us(r.get("us_per_layer")), fmt_pct(r.get("pct_roofline"))]
         ours, peer, fp8_row = by.get("jax_moe", {}), by.get("peer", {}), by.get(FP8_VARIANT, {})
@@ -334,7 +315,7 @@ def table(rows: list[dict]) -> str:
                  if ours.get("us_per_layer") and fp8_row.get("us_per_layer") else "–"]
         lines.append(line)
     return md_table(["model", "T", "experts read", "roofline µs", "kernel", "jax_moe µs", "% roofline",
-                     "four launches µs", "% roofline", "CUTLASS path µs", "% roofline", "shared expert apart µs", "% roofline",
+                     "CUTLASS path µs", "% roofline", "shared expert apart µs", "% roofline",
                      "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
                      "FP8 roofline µs", "FP8 µs", "% FP8 roofline", "FP8 CUTLASS path µs", "% FP8 roofline",
                      "FP8 shared apart µs", "% FP8 roofline", "FP8 vs bf16"], lines)
