@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "bf16_vector.cuh"
+#include "fp8_quantize.cuh"
 #include "gpu_kernels.h"
 
 namespace jax_moe {
@@ -439,6 +441,42 @@ __global__ void __launch_bounds__(kThreads) CopyRowsKernel(PermuteArgs a, int64_
   }
 }
 
+// Launch 4 of the large path for FP8 experts (LaunchPermuteQuantized): each thread quantises one
+// 8-value piece of a token's bf16 row (a 1 x 128 group is 16 lanes of one half warp,
+// QuantizeGroupPiece: the bytes of QuantizeRows on the permuted rows) and stores it, and the group's
+// scale, to each of the token's kept rows. Blocks past the copies write the padding rows as
+// QuantizeRows writes zero rows: zero bytes, scale 1. H is a multiple of 128, so a row's groups start on half-warp boundaries.
+__global__ void __launch_bounds__(kThreads) CopyRowsQuantizedKernel(PermuteArgs a, uint2* q_rows, float* row_scale,
+                                                                     int64_t chunks, int tiles) {
+  const int64_t pieces_per_row = a.row_bytes / 16, groups_per_row = pieces_per_row / 16;
+  const int64_t copy_blocks = CopyBlocks(a.num_tokens, pieces_per_row);
+  if (blockIdx.x < copy_blocks) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    const bool live = i < a.num_tokens * pieces_per_row;
+    float v[8];
+    Unpack(live ? reinterpret_cast<const uint4*>(a.x)[i] : make_uint4(0, 0, 0, 0), v);
+    uint2 packed;
+    const float s = QuantizeGroupPiece(v, &packed);  // every lane of the warp reaches the shuffles
+    if (!live) return;
+    const int64_t t = i / pieces_per_row, piece = i % pieces_per_row;
+    for (int j = 0; j < a.top_k; ++j) {
+      const int32_t row = a.dest_index[t * a.top_k + j];
+      if (row < 0) continue;
+      q_rows[row * pieces_per_row + piece] = packed;
+      if (piece % 16 == 0) row_scale[row * groups_per_row + piece / 16] = s;
+    }
+  } else {
+    const int64_t item = blockIdx.x - copy_blocks;
+    const int64_t e = item / chunks, piece = (item % chunks) * blockDim.x + threadIdx.x;
+    const int32_t kept = a.workspace[a.num_local * tiles + e];
+    if (piece >= pieces_per_row) return;
+    for (int64_t row = a.expert_offsets[e] + kept; row < a.expert_offsets[e + 1]; ++row) {
+      q_rows[row * pieces_per_row + piece] = make_uint2(0, 0);
+      if (piece % 16 == 0) row_scale[row * groups_per_row + piece / 16] = 1.0f;  // an all-zero group's scale
+    }
+  }
+}
+
 template <typename V>
 cudaError_t LaunchPermuteTyped(const PermuteArgs& a, cudaStream_t stream) {
   const int64_t routes = a.num_tokens * a.top_k;
@@ -690,6 +728,25 @@ cudaError_t LaunchPermute(const PermuteArgs& a, cudaStream_t stream) {
   if (a.row_bytes % 16 == 0 && addresses % 16 == 0) return LaunchPermuteTyped<uint4>(a, stream);
   if (a.row_bytes % 4 == 0 && addresses % 4 == 0) return LaunchPermuteTyped<uint32_t>(a, stream);
   return LaunchPermuteTyped<uint16_t>(a, stream);
+}
+
+cudaError_t LaunchPermuteQuantized(const PermuteArgs& a, void* q_rows, float* row_scale, cudaStream_t stream) {
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(q_rows);
+  if (a.row_bytes % 256 != 0 || addresses % 16 != 0 || a.num_tokens < 1) return cudaErrorInvalidValue;
+  // Always the large path: its copy launch is the one that quantises (prefill-sized routes).
+  const int64_t routes = a.num_tokens * a.top_k;
+  const int tiles = static_cast<int>((routes + kTileRoutes - 1) / kTileRoutes);
+  if (a.workspace_size < a.num_local * (tiles + 1)) return cudaErrorInvalidValue;
+  const int64_t pieces_per_row = a.row_bytes / 16;
+  const int64_t chunks = (pieces_per_row + kThreads - 1) / kThreads;
+  const int64_t padding_items = a.align > 1 ? a.num_local * chunks : 0;
+  TileCountKernel<<<tiles, kThreads, a.num_local * 4, stream>>>(a, tiles);
+  TilePrefixKernel<<<(a.num_local + kWarps - 1) / kWarps, kThreads, 0, stream>>>(a, tiles);
+  const int rank_warps = PermuteRankWarps(kTileRoutes, a.num_local + 1, a.num_local);
+  RankKernel<<<tiles, kThreads, (a.num_local + 1 + rank_warps * a.num_local) * 4, stream>>>(a, tiles, rank_warps);
+  CopyRowsQuantizedKernel<<<CopyBlocks(a.num_tokens, pieces_per_row) + padding_items, kThreads, 0, stream>>>(
+      a, static_cast<uint2*>(q_rows), row_scale, chunks, tiles);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchUnpermute(const UnpermuteArgs& a, cudaStream_t stream) {

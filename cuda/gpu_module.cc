@@ -17,6 +17,7 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
   m.def("registrations", [] {
     pybind11::dict handlers;
     handlers["jax_moe_permute"] = Capsule(JaxMoePermuteCuda);
+    handlers["jax_moe_permute_fp8"] = Capsule(JaxMoePermuteFp8Cuda);
     handlers["jax_moe_unpermute"] = Capsule(JaxMoeUnpermuteCuda);
     handlers["jax_moe_unpermute_add"] = Capsule(JaxMoeUnpermuteAddCuda);
     handlers["jax_moe_unpermute_grad"] = Capsule(JaxMoeUnpermuteGradCuda);
@@ -28,6 +29,7 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
     handlers["jax_moe_decode_route"] = Capsule(JaxMoeDecodeRouteCuda);
     handlers["jax_moe_fp8_grouped_matmul"] = Capsule(JaxMoeFp8GroupedMatmulCuda);
     handlers["jax_moe_fp8_swiglu_experts"] = Capsule(JaxMoeFp8SwigluExpertsCuda);
+    handlers["jax_moe_fp8_swiglu_quantized_experts"] = Capsule(JaxMoeFp8SwigluQuantizedExpertsCuda);
     handlers["jax_moe_fp8_decode_swiglu"] = Capsule(JaxMoeFp8DecodeSwigluCuda);
     handlers["jax_moe_fp8_decode_swiglu_shared"] = Capsule(JaxMoeFp8DecodeSwigluSharedCuda);
     handlers["jax_moe_swiglu_backward"] = Capsule(JaxMoeSwigluBackwardCuda);

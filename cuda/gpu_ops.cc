@@ -21,9 +21,9 @@ namespace ffi = xla::ffi;
 namespace jax_moe {
 namespace {
 
-ffi::Error CudaStatus(cudaError_t status, const char* what) {
+ffi::Error CudaStatus(cudaError_t status, const std::string& what) {
   if (status == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInternal, std::string(what) + ": " + cudaGetErrorString(status));
+  return ffi::Error(ffi::ErrorCode::kInternal, what + ": " + cudaGetErrorString(status));
 }
 
 bool ToFloatType(ffi::DataType type, FloatType* out) {
@@ -74,6 +74,54 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
   args.align = align;
   args.workspace_size = shapes.workspace_size;
   return CudaStatus(LaunchPermute(args, stream), "jax_moe permute");
+}
+
+// permute for FP8 experts (LaunchPermuteQuantized): permute's operands and results, permuted
+// aliased but not written, and the kept rows quantised into q_rows [R, H] float8_e4m3fn and
+// row_scale [R, H / 128] float32, R at least the live rows' bound T * k + El * (align - 1).
+ffi::Error PermuteQuantizedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
+                                ffi::Buffer<ffi::S32> expert_map, ffi::AnyBuffer, ffi::Buffer<ffi::S32>,
+                                ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                                ffi::Buffer<ffi::S32>, ffi::Result<ffi::AnyBuffer> permuted,
+                                ffi::Result<ffi::Buffer<ffi::S32>> src_index,
+                                ffi::Result<ffi::Buffer<ffi::S32>> dest_index,
+                                ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                                ffi::Result<ffi::Buffer<ffi::S32>> expert_offsets,
+                                ffi::Result<ffi::Buffer<ffi::S32>> workspace, ffi::Result<ffi::AnyBuffer> q_rows,
+                                ffi::Result<ffi::Buffer<ffi::F32>> row_scale, int64_t align, bool identity_map) {
+  PermuteShapes shapes;
+  if (ffi::Error error = CheckPermuteShapes(x, topk_ids, expert_map, *permuted, *src_index, *dest_index,
+                                            *group_sizes, *expert_offsets, *workspace, align, identity_map, &shapes);
+      error.failure())
+    return error;
+  const int64_t h = x.dimensions()[1];
+  const int64_t live_bound = shapes.num_tokens * shapes.top_k + shapes.num_local * (align - 1);
+  const auto q_dims = q_rows->dimensions();
+  if (x.element_type() != ffi::BF16 || h % 128 != 0 || q_rows->element_type() != ffi::F8E4M3FN ||
+      q_dims.size() != 2 || q_dims[1] != h || q_dims[0] < live_bound ||
+      static_cast<int64_t>(row_scale->element_count()) != q_dims[0] * (h / 128))
+    return InvalidArgument("permute_fp8: expected x [T, H] bf16 (H a multiple of 128), q_rows [R, H] float8_e4m3fn "
+                           "and row_scale [R, H / 128] float32 with R >= T * k + El * (align - 1)");
+  PermuteArgs args;
+  args.x = x.untyped_data();
+  args.topk_ids = topk_ids.typed_data();
+  args.expert_map = identity_map ? nullptr : expert_map.typed_data();
+  args.permuted = nullptr;
+  args.src_index = src_index->typed_data();
+  args.dest_index = dest_index->typed_data();
+  args.group_sizes = group_sizes->typed_data();
+  args.expert_offsets = expert_offsets->typed_data();
+  args.workspace = workspace->typed_data();
+  args.num_tokens = shapes.num_tokens;
+  args.top_k = shapes.top_k;
+  args.num_experts = shapes.num_experts;
+  args.num_local = shapes.num_local;
+  args.capacity = shapes.capacity;
+  args.row_bytes = shapes.row_bytes;
+  args.align = align;
+  args.workspace_size = shapes.workspace_size;
+  return CudaStatus(LaunchPermuteQuantized(args, q_rows->untyped_data(), row_scale->typed_data(), stream),
+                    "jax_moe permute_fp8");
 }
 
 ffi::ErrorOr<UnpermuteArgs> UnpermuteArgsOf(const char* op, const ffi::AnyBuffer& y, const ffi::AnyBuffer& topk_weights,
@@ -447,15 +495,18 @@ struct Fp8SwigluSizes {
 ffi::ErrorOr<Fp8SwigluSizes> CheckFp8Swiglu(const char* op, const ffi::AnyBuffer& rows, const ffi::AnyBuffer& gate_up,
                                             const ffi::Buffer<ffi::F32>& gate_up_scale, const ffi::AnyBuffer& down,
                                             const ffi::Buffer<ffi::F32>& down_scale,
-                                            const ffi::Buffer<ffi::S32>& expert_offsets, const ffi::AnyBuffer& out) {
+                                            const ffi::Buffer<ffi::S32>& expert_offsets, const ffi::AnyBuffer& out,
+                                            ffi::DataType rows_type = ffi::BF16) {
   const auto rd = rows.dimensions();
   const auto gd = gate_up.dimensions();
   const auto dd = down.dimensions();
   const auto od = out.dimensions();
-  if (rd.size() != 2 || gd.size() != 3 || dd.size() != 3 || od.size() != 2 || rows.element_type() != ffi::BF16 ||
+  if (rd.size() != 2 || gd.size() != 3 || dd.size() != 3 || od.size() != 2 || rows.element_type() != rows_type ||
       gate_up.element_type() != ffi::F8E4M3FN || down.element_type() != ffi::F8E4M3FN ||
       out.element_type() != ffi::BF16)
-    return ffi::Unexpected(InvalidArgument(std::string(op) + ": expected bf16 rows, float8_e4m3fn experts, bf16 out"));
+    return ffi::Unexpected(InvalidArgument(std::string(op) + ": expected " +
+                                           (rows_type == ffi::BF16 ? "bf16" : "float8_e4m3fn") +
+                                           " rows, float8_e4m3fn experts, bf16 out"));
   const int64_t groups = gd[0], h = rd[1], f2 = gd[1], f = f2 / 2, out_rows = od[0];
   if (f2 != 2 * f || gd[2] != h || dd[0] != groups || dd[1] != h || dd[2] != f || od[1] != h || out_rows > rd[0] ||
       h % 128 != 0 || f % 128 != 0 ||
@@ -468,10 +519,51 @@ ffi::ErrorOr<Fp8SwigluSizes> CheckFp8Swiglu(const char* op, const ffi::AnyBuffer
   return Fp8SwigluSizes{groups, h, f, out_rows};
 }
 
+// The two FP8 GEMMs of Fp8SwigluExpertsImpl on rows already quantised (q_rows [R, H] float8_e4m3fn,
+// row_scale [R, H / 128]): gate/up into hidden [R', 2F], SwiGLU's activation quantised
+// (LaunchSwigluQuantize), down into out [R', H]; the GEMMs share the workspace.
+ffi::Error RunFp8SwigluGemms(const char* op, cudaStream_t stream, const Fp8SwigluSizes& sizes, const void* q_rows,
+                             const float* row_scale, ffi::AnyBuffer gate_up, ffi::Buffer<ffi::F32> gate_up_scale,
+                             ffi::AnyBuffer down, ffi::Buffer<ffi::F32> down_scale,
+                             ffi::Buffer<ffi::S32> expert_offsets, ffi::AnyBuffer& out, ffi::Buffer<ffi::S32>& workspace,
+                             ffi::AnyBuffer& hidden, ffi::AnyBuffer& q_act, ffi::Buffer<ffi::F32>& act_scale,
+                             int64_t tile_rows) {
+  const int64_t h = sizes.h, f = sizes.f, out_rows = sizes.out_rows;
+  if (hidden.element_type() != ffi::BF16 || static_cast<int64_t>(hidden.element_count()) != out_rows * 2 * f ||
+      static_cast<int64_t>(q_act.element_count()) != out_rows * f ||
+      static_cast<int64_t>(act_scale.element_count()) != out_rows * (f / 128))
+    return InvalidArgument(std::string(op) + ": expected temporaries hidden [out_rows, 2F] bf16, q_act [out_rows, F], "
+                           "act_scale [out_rows, F / 128]");
+  if (tile_rows != 64 && tile_rows != 128) return InvalidArgument(std::string(op) + ": tile_rows must be 64 or 128");
+  const uintptr_t base = reinterpret_cast<uintptr_t>(workspace.untyped_data());
+  const uintptr_t aligned = (base + 127) / 128 * 128;
+  Fp8GroupedGemmArgs args;
+  args.a = q_rows;
+  args.a_scale = row_scale;
+  args.b = gate_up.untyped_data();
+  args.b_scale = gate_up_scale.typed_data();
+  args.expert_offsets = expert_offsets.typed_data();
+  args.out = hidden.untyped_data();
+  args.workspace = reinterpret_cast<void*>(aligned);
+  args.workspace_bytes = workspace.size_bytes() > aligned - base ? workspace.size_bytes() - (aligned - base) : 0;
+  args.out_rows = out_rows, args.num_groups = sizes.groups, args.k = h, args.n = 2 * f;
+  args.tile_rows = static_cast<int>(tile_rows);
+  cudaError_t status = LaunchFp8GroupedGemm(args, stream);
+  if (status != cudaSuccess) return CudaStatus(status, std::string(op) + ": gate_up");
+  status = LaunchSwigluQuantize(hidden.untyped_data(), q_act.untyped_data(), act_scale.typed_data(), out_rows, f, stream);
+  if (status != cudaSuccess) return CudaStatus(status, std::string(op) + ": activation");
+  args.a = q_act.untyped_data();
+  args.a_scale = act_scale.typed_data();
+  args.b = down.untyped_data();
+  args.b_scale = down_scale.typed_data();
+  args.out = out.untyped_data();
+  args.k = f, args.n = h;
+  return CudaStatus(LaunchFp8GroupedGemm(args, stream), std::string(op) + ": down");
+}
+
 // FP8 SwiGLU experts in one call (grouped_gemm_fp8.h): rows [R, H] bf16 quantised per 1 x 128
-// group, the gate/up GEMM into hidden [R', 2F], SwiGLU's activation quantised again
-// (LaunchSwigluQuantize), the down GEMM into out [R', H]. The quantised rows, hidden and the
-// quantised activation are results of the call (temporaries); the two GEMMs share the workspace.
+// group, then RunFp8SwigluGemms. The quantised rows, hidden and the quantised activation are
+// results of the call (temporaries).
 ffi::Error Fp8SwigluExpertsImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::AnyBuffer gate_up,
                                 ffi::Buffer<ffi::F32> gate_up_scale, ffi::AnyBuffer down,
                                 ffi::Buffer<ffi::F32> down_scale, ffi::Buffer<ffi::S32> expert_offsets,
@@ -483,44 +575,36 @@ ffi::Error Fp8SwigluExpertsImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::A
   const auto sizes = CheckFp8Swiglu("fp8_swiglu_experts", rows, gate_up, gate_up_scale, down, down_scale,
                                     expert_offsets, *out);
   if (sizes.has_error()) return sizes.error();
-  const int64_t h = sizes->h, f = sizes->f, out_rows = sizes->out_rows;
-  if (hidden->element_type() != ffi::BF16 || static_cast<int64_t>(q_rows->element_count()) != out_rows * h ||
-      static_cast<int64_t>(row_scale->element_count()) != out_rows * (h / 128) ||
-      static_cast<int64_t>(hidden->element_count()) != out_rows * 2 * f ||
-      static_cast<int64_t>(q_act->element_count()) != out_rows * f ||
-      static_cast<int64_t>(act_scale->element_count()) != out_rows * (f / 128))
+  const int64_t h = sizes->h, out_rows = sizes->out_rows;
+  if (static_cast<int64_t>(q_rows->element_count()) != out_rows * h ||
+      static_cast<int64_t>(row_scale->element_count()) != out_rows * (h / 128))
     return InvalidArgument("fp8_swiglu_experts: expected temporaries q_rows [out_rows, H], row_scale "
-                           "[out_rows, H / 128], hidden [out_rows, 2F] bf16, q_act [out_rows, F], act_scale "
-                           "[out_rows, F / 128]");
-  if (tile_rows != 64 && tile_rows != 128) return InvalidArgument("fp8_swiglu_experts: tile_rows must be 64 or 128");
-  cudaError_t status = LaunchQuantizeRows(rows.untyped_data(), q_rows->untyped_data(), row_scale->typed_data(),
-                                          out_rows, h, stream);
+                           "[out_rows, H / 128]");
+  const cudaError_t status = LaunchQuantizeRows(rows.untyped_data(), q_rows->untyped_data(), row_scale->typed_data(),
+                                                out_rows, h, stream);
   if (status != cudaSuccess) return CudaStatus(status, "fp8_swiglu_experts: quantize rows");
-  const uintptr_t base = reinterpret_cast<uintptr_t>(workspace->untyped_data());
-  const uintptr_t aligned = (base + 127) / 128 * 128;
-  Fp8GroupedGemmArgs args;
-  args.a = q_rows->untyped_data();
-  args.a_scale = row_scale->typed_data();
-  args.b = gate_up.untyped_data();
-  args.b_scale = gate_up_scale.typed_data();
-  args.expert_offsets = expert_offsets.typed_data();
-  args.out = hidden->untyped_data();
-  args.workspace = reinterpret_cast<void*>(aligned);
-  args.workspace_bytes = workspace->size_bytes() > aligned - base ? workspace->size_bytes() - (aligned - base) : 0;
-  args.out_rows = out_rows, args.num_groups = sizes->groups, args.k = h, args.n = 2 * f;
-  args.tile_rows = static_cast<int>(tile_rows);
-  status = LaunchFp8GroupedGemm(args, stream);
-  if (status != cudaSuccess) return CudaStatus(status, "fp8_swiglu_experts: gate_up");
-  status = LaunchSwigluQuantize(hidden->untyped_data(), q_act->untyped_data(), act_scale->typed_data(), out_rows, f,
-                                stream);
-  if (status != cudaSuccess) return CudaStatus(status, "fp8_swiglu_experts: activation");
-  args.a = q_act->untyped_data();
-  args.a_scale = act_scale->typed_data();
-  args.b = down.untyped_data();
-  args.b_scale = down_scale.typed_data();
-  args.out = out->untyped_data();
-  args.k = f, args.n = h;
-  return CudaStatus(LaunchFp8GroupedGemm(args, stream), "fp8_swiglu_experts: down");
+  return RunFp8SwigluGemms("fp8_swiglu_experts", stream, *sizes, q_rows->untyped_data(), row_scale->typed_data(),
+                           gate_up, gate_up_scale, down, down_scale, expert_offsets, *out, *workspace, *hidden, *q_act,
+                           *act_scale, tile_rows);
+}
+
+// Fp8SwigluExpertsImpl on rows quantised beforehand (permute_fp8): q_rows [R, H] float8_e4m3fn and
+// row_scale [R, H / 128] are operands, not temporaries.
+ffi::Error Fp8SwigluQuantizedExpertsImpl(cudaStream_t stream, ffi::AnyBuffer q_rows, ffi::Buffer<ffi::F32> row_scale,
+                                         ffi::AnyBuffer gate_up, ffi::Buffer<ffi::F32> gate_up_scale,
+                                         ffi::AnyBuffer down, ffi::Buffer<ffi::F32> down_scale,
+                                         ffi::Buffer<ffi::S32> expert_offsets, ffi::Buffer<ffi::S32>,
+                                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> workspace,
+                                         ffi::Result<ffi::AnyBuffer> hidden, ffi::Result<ffi::AnyBuffer> q_act,
+                                         ffi::Result<ffi::Buffer<ffi::F32>> act_scale, int64_t tile_rows) {
+  const char* op = "fp8_swiglu_quantized_experts";
+  const auto sizes = CheckFp8Swiglu(op, q_rows, gate_up, gate_up_scale, down, down_scale, expert_offsets, *out,
+                                    ffi::F8E4M3FN);
+  if (sizes.has_error()) return sizes.error();
+  if (static_cast<int64_t>(row_scale.element_count()) != q_rows.dimensions()[0] * (sizes->h / 128))
+    return InvalidArgument(std::string(op) + ": expected row_scale [R, H / 128] beside q_rows [R, H]");
+  return RunFp8SwigluGemms(op, stream, *sizes, q_rows.untyped_data(), row_scale.typed_data(), gate_up, gate_up_scale,
+                           down, down_scale, expert_offsets, *out, *workspace, *hidden, *q_act, *act_scale, tile_rows);
 }
 
 // FP8 SwiGLU experts at decode (decode_gemm.h): the same operands and math as
@@ -671,6 +755,30 @@ ffi::Error UninitializedImpl(ffi::Result<ffi::AnyBuffer>, int64_t /*tag*/) { ret
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteCuda, jax_moe::PermuteImpl,
                               jax_moe::BindPermute(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteFp8Cuda, jax_moe::PermuteQuantizedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()             // x [T, H] bf16
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // topk_ids [T, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // expert_map [E] ([1] with identity_map)
+                                  .Arg<ffi::AnyBuffer>()             // permuted (aliased, not written)
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // src_index (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // dest_index (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // group_sizes (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // expert_offsets (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // workspace (aliased)
+                                  .Ret<ffi::AnyBuffer>()             // permuted
+                                  .Ret<ffi::Buffer<ffi::S32>>()      // src_index
+                                  .Ret<ffi::Buffer<ffi::S32>>()      // dest_index
+                                  .Ret<ffi::Buffer<ffi::S32>>()      // group_sizes
+                                  .Ret<ffi::Buffer<ffi::S32>>()      // expert_offsets
+                                  .Ret<ffi::Buffer<ffi::S32>>()      // workspace
+                                  .Ret<ffi::AnyBuffer>()             // q_rows [R, H] float8_e4m3fn
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // row_scale [R, H / 128]
+                                  .Attr<int64_t>("align")
+                                  .Attr<bool>("identity_map"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteCuda, jax_moe::UnpermuteImpl,
@@ -836,6 +944,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8SwigluExpertsCuda, jax_moe::Fp8SwigluExpe
                                   .Ret<ffi::Buffer<ffi::S32>>()        // workspace
                                   .Ret<ffi::AnyBuffer>()               // q_rows [out_rows, H] (temporary)
                                   .Ret<ffi::Buffer<ffi::F32>>()        // row_scale [out_rows, H / 128] (temporary)
+                                  .Ret<ffi::AnyBuffer>()               // hidden [out_rows, 2F] bf16 (temporary)
+                                  .Ret<ffi::AnyBuffer>()               // q_act [out_rows, F] (temporary)
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // act_scale [out_rows, F / 128] (temporary)
+                                  .Attr<int64_t>("tile_rows"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8SwigluQuantizedExpertsCuda, jax_moe::Fp8SwigluQuantizedExpertsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // q_rows [R, H], float8_e4m3fn
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // row_scale [R, H / 128]
+                                  .Arg<ffi::AnyBuffer>()               // gate_up [El, 2F, H], float8_e4m3fn
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // gate_up_scale [El, 2F / 128, H / 128]
+                                  .Arg<ffi::AnyBuffer>()               // down [El, H, F], float8_e4m3fn
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // down_scale [El, H / 128, F / 128]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // expert_offsets [El + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
+                                  .Ret<ffi::AnyBuffer>()               // out [out_rows, H], bf16
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // workspace
                                   .Ret<ffi::AnyBuffer>()               // hidden [out_rows, 2F] bf16 (temporary)
                                   .Ret<ffi::AnyBuffer>()               // q_act [out_rows, F] (temporary)
                                   .Ret<ffi::Buffer<ffi::F32>>()        // act_scale [out_rows, F / 128] (temporary)

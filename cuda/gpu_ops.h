@@ -6,6 +6,7 @@
 
 extern "C" {
 XLA_FFI_Error* JaxMoePermuteCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoePermuteFp8Cuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteAddCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteGradCuda(XLA_FFI_CallFrame* call_frame);
@@ -17,6 +18,7 @@ XLA_FFI_Error* JaxMoeDecodeMatmulSharedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeRouteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8GroupedMatmulCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8SwigluExpertsCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeFp8SwigluQuantizedExpertsCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8DecodeSwigluCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8DecodeSwigluSharedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeSwigluBackwardCuda(XLA_FFI_CallFrame* call_frame);

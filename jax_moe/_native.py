@@ -8,6 +8,7 @@ import warnings
 import jax
 
 PERMUTE_TARGET = "jax_moe_permute"
+PERMUTE_FP8_TARGET = "jax_moe_permute_fp8"  # CUDA only
 UNPERMUTE_TARGET = "jax_moe_unpermute"
 UNPERMUTE_GRAD_TARGET = "jax_moe_unpermute_grad"
 UNPERMUTE_ADD_TARGET = "jax_moe_unpermute_add"  # CUDA only
@@ -19,6 +20,7 @@ DECODE_MATMUL_SHARED_TARGET = "jax_moe_decode_matmul_shared"  # CUDA only
 DECODE_ROUTE_TARGET = "jax_moe_decode_route"  # CUDA only
 FP8_GROUPED_MATMUL_TARGET = "jax_moe_fp8_grouped_matmul"  # CUDA only
 FP8_SWIGLU_EXPERTS_TARGET = "jax_moe_fp8_swiglu_experts"  # CUDA only
+FP8_SWIGLU_QUANTIZED_EXPERTS_TARGET = "jax_moe_fp8_swiglu_quantized_experts"  # CUDA only
 FP8_DECODE_SWIGLU_TARGET = "jax_moe_fp8_decode_swiglu"  # CUDA only
 FP8_DECODE_SWIGLU_SHARED_TARGET = "jax_moe_fp8_decode_swiglu_shared"  # CUDA only
 SWIGLU_BACKWARD_TARGET = "jax_moe_swiglu_backward"  # CUDA only

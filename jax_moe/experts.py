@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import _native, fp8, gemm
+from jax_moe import _native, fp8, gemm, ops
 from jax_moe.gemm import gated_silu
 from jax_moe.ops import read_from
 from jax_moe.routing import dot_f32
-from jax_moe.scratch import MoEScratch
+from jax_moe.scratch import ROUTING_TILE, MoEScratch
 
 # expert_fn(layer_params, rows [R, H], group_sizes [El] int32) -> rows_out [R, H] (rows' dtype).
 ExpertFn = Callable[[dict, jax.Array, jax.Array], jax.Array]
@@ -390,6 +390,65 @@ def swiglu_experts_fp8(layer_params: dict, scratch: MoEScratch, num_tokens: int)
     out, workspace = _fp8_experts(scratch.permuted, *weights, scratch.expert_offsets, num_rows,
                                   config.group_row_bound(num_tokens), scratch.workspace)
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
+
+
+# FP8 experts on the CUTLASS path quantise the tokens in permute (ops.permute_fp8): the layer's
+# rows are never copied in bf16 and read back to be quantised. Off: permute, then the FP8 call's own
+# quantisation (the same bits; for measuring).
+QUANTIZE_IN_PERMUTE = True
+
+
+def fp8_quantizes_in_permute(layer_params: dict, tokens, config) -> bool:
+    """Whether ``moe_layer`` routes FP8 experts through ``fp8_experts_on_tokens``: FP8 routed experts
+    on the CUTLASS FP8 GEMMs (``gemm.fp8_decode_rows`` 0), a GPU, bf16 tokens, and more routes than
+    permute's one-launch path takes (``ROUTING_TILE``: the quantising permute has only the four-launch
+    path, which would cost a few-token step more launches than the quantisation it saves)."""
+    if not (QUANTIZE_IN_PERMUTE and fp8.is_quantized(layer_params) and uses_grouped_matmul(layer_params, config)
+            and _on_fp8_decode_device(tokens) and tokens.shape[0] * config.top_k > ROUTING_TILE):
+        return False
+    num_rows = config.live_row_bound(tokens.shape[0])
+    return gemm.fp8_decode_rows(num_rows, config.num_local_experts, config.hidden_size,
+                                fp8.ffn_size(layer_params)) == 0
+
+
+def fp8_experts_on_tokens(layer_params: dict, tokens, ids, scratch: MoEScratch):
+    """``permute`` then ``swiglu_experts_fp8`` for FP8 experts on the CUTLASS path, with the tokens
+    quantised in permute (``ops.permute_fp8``, then ``gemm.fp8_swiglu_quantized_forward``): the
+    same bits. Differentiable in tokens (the rows' quantisation as the identity, as
+    ``swiglu_experts_fp8``). Returns ``([live_row_bound(T), H], scratch)``."""
+    config = scratch.config
+    num_rows = config.live_row_bound(tokens.shape[0])
+    out, scratch = _fp8_permuted_experts(tokens, ids, scratch, *_fp8_leaves(layer_params, fp8.QUANTIZED_NAMES),
+                                         num_rows)
+    return out, lax.stop_gradient(scratch)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _fp8_permuted_experts(tokens, ids, scratch, gate_up, gate_up_scale, down, down_scale, num_rows):
+    scratch, q_rows, row_scale = ops.permute_fp8(tokens, ids, scratch, num_rows)
+    out, workspace = gemm.fp8_swiglu_quantized_forward(q_rows, row_scale, gate_up, gate_up_scale, down, down_scale,
+                                                       scratch.expert_offsets, scratch.workspace, num_rows)
+    return out, scratch.replace(workspace=workspace)
+
+
+def _fp8_permuted_experts_fwd(tokens, ids, scratch, gate_up, gate_up_scale, down, down_scale, num_rows):
+    out, scratch = _fp8_permuted_experts(tokens, ids, scratch, gate_up, gate_up_scale, down, down_scale, num_rows)
+    # This call's routes and offsets, never a scratch buffer itself (the next layer overwrites it).
+    dest = scratch.dest_index[:tokens.shape[0]]
+    return (out, scratch), (tokens, dest, scratch.expert_offsets, gate_up, gate_up_scale, down, down_scale)
+
+
+def _fp8_permuted_experts_bwd(num_rows, residuals, cotangents):
+    # The rows are recomputed from the tokens (permute's bf16 rows were never written), then
+    # _fp8_experts' backward and permute's.
+    tokens, dest, offsets, gate_up, gate_up_scale, down, down_scale = residuals
+    rows = ops.rows_by_route((tokens,), dest, ops.invert_dest(dest, num_rows))[0]
+    d_rows = _fp8_experts_bwd(num_rows, None, (rows, gate_up, gate_up_scale, down, down_scale, offsets,
+                                                jnp.zeros((num_rows, 0), rows.dtype)), cotangents)[0]
+    return ops.permute_grad(d_rows, dest), None, None, None, None, None, None
+
+
+_fp8_permuted_experts.defvjp(_fp8_permuted_experts_fwd, _fp8_permuted_experts_bwd)
 
 
 def _on_fp8_decode_device(x) -> bool:

@@ -675,6 +675,51 @@ def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, 
     return _on_cuda(native, fallback, *operands)
 
 
+def fp8_swiglu_quantized_forward(q_rows, row_scale, gate_up, gate_up_scale, down, down_scale, offsets, workspace,
+                                 num_rows: int, tile_rows: int | None = None):
+    """``fp8_swiglu_forward`` on the CUTLASS FP8 GEMMs for rows quantised beforehand
+    (``ops.permute_fp8``): q_rows [R, H] float8_e4m3fn and row_scale [R, H/128] float32 (the bytes
+    ``fp8.quantize_rows`` gives), the other arguments as there. The same math and bits as
+    ``fp8_swiglu_forward(rows, ..., decode_rows=0)`` on the rows they quantise, without its
+    quantisation launch. Off CUDA the same math on the dequantised rows. No autodiff rule.
+    Returns ``([num_rows, H] bf16, workspace)``.
+    """
+    op = "fp8_swiglu_quantized_forward"
+    if q_rows.ndim != 2 or jnp.dtype(q_rows.dtype) != jnp.dtype(fp8.FP8):
+        raise ValueError(f"{op}: q_rows: expected float8_e4m3fn [R, H], got {q_rows.dtype}{list(q_rows.shape)}")
+    want = (q_rows.shape[0], q_rows.shape[1] // fp8.BLOCK)
+    if tuple(row_scale.shape) != want or jnp.dtype(row_scale.dtype) != jnp.float32:
+        raise ValueError(f"{op}: row_scale: expected float32 {list(want)} ([R, H/128] beside q_rows), "
+                         f"got {row_scale.dtype}{list(row_scale.shape)}")
+    rows_like = jax.ShapeDtypeStruct(q_rows.shape, jnp.bfloat16)
+    _check_fp8_forward(rows_like, gate_up, gate_up_scale, offsets, num_rows, op, ("q_rows", "gate_up", "gate_up_scale"))
+    num_groups, two_f, hidden_size = gate_up.shape
+    if jnp.shape(down) != (num_groups, hidden_size, two_f // 2):
+        raise ValueError(f"{op}: down: expected [El, H, F] = {(num_groups, hidden_size, two_f // 2)}, "
+                         f"got {tuple(jnp.shape(down))}")
+    _check_fp8_forward(jax.ShapeDtypeStruct((0, two_f // 2), jnp.bfloat16), down, down_scale, offsets, 0, op,
+                       ("the activation", "down", "down_scale"))
+    tile_rows = fp8_tile_rows(num_rows, num_groups) if tile_rows is None else tile_rows
+    if tile_rows not in FP8_TILE_ROWS:
+        raise ValueError(f"{op}: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
+
+    def fallback(q, s, gu, gus, d, ds, o, ws):  # fp8_swiglu_dequantized's math from the quantised rows
+        a = fp8.dequantize_rows(q[:num_rows], s[:num_rows], jnp.float32)
+        hidden = _ragged_dot(a, jnp.swapaxes(fp8.dequantize(gu, gus, jnp.float32), -1, -2), o).astype(jnp.bfloat16)
+        return fp8_dequantized_matmul(gated_silu(hidden, jnp.bfloat16), d, ds, o, num_rows), ws
+
+    def native(q, s, gu, gus, d, ds, o, ws):
+        f = d.shape[2]
+        shapes = (((num_rows, hidden_size), jnp.bfloat16), (ws.shape, ws.dtype), ((num_rows, 2 * f), jnp.bfloat16),
+                  ((num_rows, f), fp8.FP8), ((num_rows, f // fp8.BLOCK), jnp.float32))
+        call = jax.ffi.ffi_call(_native.FP8_SWIGLU_QUANTIZED_EXPERTS_TARGET,
+                                tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes),
+                                input_output_aliases={7: 1}, vmap_method="sequential")
+        return tuple(fence_results(call(q, s, gu, gus, d, ds, o, ws, tile_rows=np.int64(tile_rows))))[:2]
+
+    return _on_cuda(native, fallback, q_rows, row_scale, gate_up, gate_up_scale, down, down_scale, offsets, workspace)
+
+
 FP8_DECODE_MAX_SHARED_ROWS = 16  # tokens a shared expert takes in the decode kernel's launches
 
 

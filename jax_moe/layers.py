@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import _validate, fp8, ops, routing, stack
+from jax_moe import _validate, experts, fp8, ops, routing, stack
 from jax_moe.config import MoEConfig
 from jax_moe.experts import (SHARED_NAMES, ExpertFn, run_experts_and_shared, shared_experts,  # noqa: F401
                              swiglu_experts, uses_grouped_matmul)
@@ -220,8 +220,12 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
     else:
         logits = routing.router_logits(router, tokens)
         weights, ids = routing.route_logits(logits, config, bias)
-    scratch = permute(tokens, ids, scratch)
-    rows_out, shared, scratch = run_experts_and_shared(expert_fn, layer_params, scratch, tokens)
+    if expert_fn is None and experts.fp8_quantizes_in_permute(layer_params, tokens, config):
+        rows_out, scratch = experts.fp8_experts_on_tokens(layer_params, tokens, ids, scratch)
+        shared = shared_experts(layer_params, tokens)
+    else:
+        scratch = permute(tokens, ids, scratch)
+        rows_out, shared, scratch = run_experts_and_shared(expert_fn, layer_params, scratch, tokens)
     y = unpermute(rows_out, weights, scratch)
     if shared is not None:
         y = y + shared

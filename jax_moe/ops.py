@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_moe import _native, _validate, reference, routing
+from jax_moe import _native, _validate, fp8, reference, routing
 from jax_moe.scratch import BUFFER_NAMES, MoEScratch
 
 # Operand i of the permute call is written in place as result o: the scratch buffers follow the
@@ -385,6 +385,53 @@ def permute(x: jax.Array, topk_ids: jax.Array, scratch: MoEScratch) -> MoEScratc
     """
     ids = _validate.check_permute_args(x, topk_ids, scratch)
     return _permute(x, ids, scratch)
+
+
+def permute_fp8(x: jax.Array, topk_ids: jax.Array, scratch: MoEScratch, num_rows: int):
+    """``permute`` for FP8 experts: the same indices, and the rows quantised instead of copied.
+
+    Returns ``(scratch, q_rows [num_rows, H] float8_e4m3fn, row_scale [num_rows, H/128] float32)``:
+    the live rows (``expert_offsets[-1]`` of them, padding rows zero) are those of
+    ``fp8.quantize_rows(permute(x, topk_ids, scratch).permuted[:num_rows])``, bitwise (each 1 x 128
+    group quantised alone, so quantising a token's row before its k copies gives the same bytes);
+    rows past them are unspecified (the FP8 GEMMs write zero rows there). num_rows: at least
+    ``config.live_row_bound(T)``, at most R_cap. On a
+    GPU (bf16 x, H a multiple of 128) one call whose copy launch quantises: a prefill layer's
+    permuted bf16 rows are neither written nor read back (``scratch.permuted`` is left as it was).
+    Elsewhere ``permute`` then ``fp8.quantize_rows``. No autodiff rule: a differentiable caller
+    wraps it (``jax_moe.experts``' FP8 prefill path recomputes the rows in its backward).
+    """
+    ids = _validate.check_permute_args(x, topk_ids, scratch)
+    config = scratch.config
+    bound = config.live_row_bound(x.shape[0])
+    if not isinstance(num_rows, int) or not bound <= num_rows <= config.capacity:
+        raise ValueError(f"permute_fp8: num_rows: expected an int from {bound} (live_row_bound(T)) to "
+                         f"{config.capacity} (capacity), got {num_rows!r}")
+    if config.hidden_size % fp8.BLOCK:
+        raise ValueError(f"permute_fp8: x: expected a hidden size that is a multiple of {fp8.BLOCK}, "
+                         f"got {config.hidden_size}")
+
+    def fallback(x, ids, scratch):
+        scratch = _permute(x, ids, scratch)
+        return (scratch, *fp8.quantize_rows(scratch.permuted[:num_rows]))
+
+    if not (_native.HAS_CUDA and jnp.dtype(x.dtype) == jnp.bfloat16):
+        return fallback(x, ids, scratch)
+
+    def native(x, ids, scratch):
+        buffers = scratch.buffers()
+        shapes = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers]
+        shapes += [jax.ShapeDtypeStruct((num_rows, x.shape[1]), fp8.FP8),
+                   jax.ShapeDtypeStruct((num_rows, x.shape[1] // fp8.BLOCK), jnp.float32)]
+        call = jax.ffi.ffi_call(_native.PERMUTE_FP8_TARGET, tuple(shapes), input_output_aliases=_PERMUTE_ALIASES,
+                                vmap_method=_VMAP_METHOD)
+        identity = config.expert_map is None
+        expert_map = np.zeros((1,), np.int32) if identity else config.expert_map_array()
+        outputs = fence_results(call(x, ids, jnp.asarray(expert_map), *buffers, align=np.int64(config.align),
+                                     identity_map=np.bool_(identity)))
+        return scratch.replace(**dict(zip(BUFFER_NAMES, outputs))), outputs[-2], outputs[-1]
+
+    return lax.platform_dependent(x, ids, scratch, cuda=native, default=fallback)
 
 
 def unpermute(y: jax.Array, topk_weights: jax.Array, scratch: MoEScratch) -> jax.Array:

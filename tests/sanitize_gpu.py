@@ -1,5 +1,5 @@
 """A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths (and
-the ranking of few routes), padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward and its adds; the grouped
+the ranking of few routes, and FP8 experts' quantising permute), padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward and its adds; the grouped
 GEMM forward and its input- and weight-gradient kernels (also written into a slice of a stack); the
 SwiGLU backward's elementwise kernel (also reading from a stack); the backward's row gather; the decode kernel; the FP8 grouped GEMM (both row tiles); the decode router; with
 --stack, the training stack's gradients. Prints one line per case.
@@ -29,6 +29,10 @@ CASES = [
     _case("tiled_f32_dropped", num_experts=128, top_k=8, hidden_size=260, max_tokens=700, dtype="float32", align=4,
           ids=lambda rng, T, k, E: rng.integers(-3, E + 3, (T, k))),
     _case("tiled_odd_H", num_experts=2048, top_k=4, hidden_size=3, max_tokens=1500, dtype="bfloat16"),
+    # bf16 rows of H a multiple of 128 past one routing tile: permute_fp8's quantising copy, padding and a map.
+    _case("tiled_bf16_fp8_map_align", num_experts=64, top_k=6, hidden_size=256, max_tokens=400, dtype="bfloat16",
+          align=4, expert_map=tuple(e // 2 if e % 2 == 0 else -1 for e in range(64)),
+          ids=lambda rng, T, k, E: rng.integers(-2, E + 2, (T, k))),
     # Up to 64 routes: the rolled few-route ranking (decode).
     _case("few_routes_map_align", num_experts=32, top_k=6, hidden_size=264, max_tokens=5, dtype="bfloat16", align=4,
           expert_map=tuple(e // 3 if e % 3 == 0 else -1 for e in range(32)),
@@ -47,6 +51,10 @@ for case in CASES:
                                                np.ones(out.shape, out.dtype))
     finite = all(bool(np.isfinite(np.asarray(a, np.float32)).all()) for a in (out, d_y, d_w, added))
     print(case.name, "live rows", int(scratch.expert_offsets[-1]), "out and gradients finite", finite)
+    if case.x.dtype == jax.numpy.bfloat16 and case.x.shape[1] % 128 == 0:  # FP8 rows quantised in permute
+        num_rows = scratch.config.live_row_bound(case.x.shape[0])
+        _, q, scale = jax.jit(jax_moe.ops.permute_fp8, static_argnums=3)(case.x, case.topk_ids, scratch, num_rows)
+        print(case.name, "permute_fp8 scales finite", bool(np.isfinite(np.asarray(scale)).all()))
 
 # The grouped GEMM on the same groups: bf16 with align padding and empty experts, its three tiles
 # (about 5, 190 and 750 rows per expert).

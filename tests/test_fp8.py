@@ -231,7 +231,12 @@ def test_gpu_fp8_stack_matches_the_cpu_fp8_stack(num_tokens):
     rides = decode[0] and num_tokens <= gemm.FP8_DECODE_MAX_SHARED_ROWS
     assert hlo.count('custom_call_target="jax_moe_fp8_decode_swiglu_shared"') == rides
     assert hlo.count('custom_call_target="jax_moe_fp8_decode_swiglu"') == (0 if rides else sum(decode))
-    assert hlo.count('custom_call_target="jax_moe_fp8_swiglu_experts"') == (0 if rides else 2 - sum(decode))
+    # The routed experts on CUTLASS past one routing tile of routes take rows quantised in permute
+    # (experts.fp8_quantizes_in_permute).
+    quantized = not decode[0] and num_tokens * 4 > jax_moe.scratch.ROUTING_TILE
+    assert hlo.count('custom_call_target="jax_moe_permute_fp8"') == quantized
+    assert hlo.count('custom_call_target="jax_moe_fp8_swiglu_quantized_experts"') == quantized
+    assert hlo.count('custom_call_target="jax_moe_fp8_swiglu_experts"') == (0 if rides else 2 - sum(decode) - quantized)
     got = np.asarray(_on("gpu", run, params, x, init_scratch(config)), np.float32)
     want = np.asarray(_on("cpu", run, params, x, init_scratch(config)), np.float32)
     assert np.linalg.norm(got - want) <= 0.03 * np.linalg.norm(want)
@@ -692,3 +697,124 @@ def test_fp8_experts_with_shared_differentiate_as_the_two_calls():
     for g, w in zip(got, want):
         assert np.abs(np.asarray(w, np.float32)).max() > 0
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+# ---- FP8 rows quantised in permute (ops.permute_fp8, gemm.fp8_swiglu_quantized_forward) ----
+
+def _permute_fp8_case(num_tokens=40, align=1, expert_map=None, seed=0):
+    config = MoEConfig(num_experts=8, top_k=3, hidden_size=256, max_tokens=num_tokens, dtype=BF16, align=align,
+                       expert_map=expert_map)
+    keys = jax.random.split(jax.random.key(seed), 2)
+    x = (jax.random.normal(keys[0], (num_tokens, 256)) * 3).astype(BF16)
+    ids = jax.random.randint(keys[1], (num_tokens, 3), -1, 9)  # some dropped (-1 and 8 = E)
+    return config, x, ids
+
+
+def test_permute_fp8_names_bad_num_rows():
+    config, x, ids = _permute_fp8_case()
+    bound = config.live_row_bound(40)
+    with pytest.raises(ValueError, match=re.escape(f"permute_fp8: num_rows: expected an int from {bound} "
+                                                   f"(live_row_bound(T)) to {config.capacity} (capacity), got 7")):
+        jax_moe.ops.permute_fp8(x, ids, init_scratch(config), 7)
+
+
+def test_permute_fp8_is_permute_then_quantize_rows_off_the_gpu():
+    config, x, ids = _permute_fp8_case(align=4)
+    num_rows = config.live_row_bound(40)
+    scratch, q, scale = jax.jit(jax_moe.ops.permute_fp8, static_argnums=3)(x, ids, init_scratch(config), num_rows)
+    want = jax.jit(jax_moe.permute)(x, ids, init_scratch(config))
+    q_want, scale_want = fp8.quantize_rows(want.permuted[:num_rows])
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(q_want).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(scale_want))
+    for name in ("dest_index", "expert_offsets", "group_sizes"):
+        np.testing.assert_array_equal(np.asarray(getattr(scratch, name)), np.asarray(getattr(want, name)))
+
+
+def _fp8_experts_two_ways(config, x, ids):
+    """experts._fp8_permuted_experts and permute + experts._fp8_experts: outputs and d x of each."""
+    keys = jax.random.split(jax.random.key(3), 2)
+    gu = fp8.quantize(jax.random.normal(keys[0], (8, 256, 256)) / 16)
+    dn = fp8.quantize(jax.random.normal(keys[1], (8, 256, 128)) / 16)
+    num_rows = config.live_row_bound(x.shape[0])
+
+    def fused(x):
+        out, _ = experts._fp8_permuted_experts(x, ids, init_scratch(config), *gu, *dn, num_rows)
+        return out
+
+    def apart(x):
+        scratch = jax_moe.permute(x, ids, init_scratch(config))
+        return experts._fp8_experts(scratch.permuted, *gu, *dn, scratch.expert_offsets, num_rows, None,
+                                    scratch.workspace)[0]
+
+    results = []
+    for fn in (fused, apart):
+        loss = lambda x: jnp.sum(fn(x).astype(jnp.float32) ** 2)
+        results.append((np.asarray(jax.jit(fn)(x), np.float32), np.asarray(jax.jit(jax.grad(loss))(x), np.float32)))
+    return results
+
+
+def test_fp8_permuted_experts_differentiate_as_permute_then_the_fp8_call():
+    """Off the GPU: the forward is the dequantised math from the quantised rows (the same as the
+    call's up to float32 rounding); the backward recomputes the rows and is the same code."""
+    config, x, ids = _permute_fp8_case(align=2)
+    (out, d_x), (out_want, d_x_want) = _fp8_experts_two_ways(config, x, ids)
+    assert np.abs(out_want).max() > 0 and np.abs(d_x_want).max() > 0
+    np.testing.assert_allclose(out, out_want, atol=0.02 * np.abs(out_want).max(), rtol=0.02)
+    np.testing.assert_array_equal(d_x, d_x_want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("align, expert_map", [(1, None), (4, None), (1, (0, -1, 1, 2, -1, 3, 4, 5))],
+                         ids=["plain", "align4", "expert_map"])
+def test_gpu_permute_fp8_is_permute_then_quantize_rows_bitwise(align, expert_map):
+    config, x, ids = _permute_fp8_case(num_tokens=700, align=align, expert_map=expert_map)
+    num_rows = config.live_row_bound(700)
+    gpu = jax.devices("gpu")[0]
+    x, ids = jax.device_put((x, ids), gpu)
+    fn = jax.jit(jax_moe.ops.permute_fp8, static_argnums=3)
+    hlo = fn.lower(x, ids, init_scratch(config), num_rows).compile().as_text()
+    assert 'custom_call_target="jax_moe_permute_fp8"' in hlo
+    dirty = init_scratch(config)  # a scratch holding another permute's rows and indices first
+    dirty = jax.jit(jax_moe.permute)(x[::-1], ids, dirty)
+    scratch, q, scale = fn(x, ids, dirty, num_rows)
+    want = jax.jit(jax_moe.permute)(x, ids, init_scratch(config))
+    q_want, scale_want = jax.jit(fp8.quantize_rows)(want.permuted[:num_rows])
+    # The live rows (padding included); rows past them are unspecified, as the permuted rows the
+    # FP8 call quantised there were (the GEMMs write zeros there, unpermute never reads them).
+    live = int(want.expert_offsets[-1])
+    assert 0 < live < num_rows
+    np.testing.assert_array_equal(np.asarray(q[:live]).view(np.uint8), np.asarray(q_want[:live]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scale[:live]), np.asarray(scale_want[:live]))
+    for name in ("dest_index", "src_index", "expert_offsets", "group_sizes"):
+        np.testing.assert_array_equal(np.asarray(getattr(scratch, name)), np.asarray(getattr(want, name)))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_permuted_experts_are_the_fp8_call_on_permuted_rows_bitwise():
+    config, x, ids = _permute_fp8_case(num_tokens=600, align=2)
+    x, ids = jax.device_put((x, ids), jax.devices("gpu")[0])
+    (out, d_x), (out_want, d_x_want) = _fp8_experts_two_ways(config, x, ids)
+    assert np.abs(out_want).max() > 0 and np.abs(d_x_want).max() > 0
+    np.testing.assert_array_equal(out, out_want)
+    np.testing.assert_array_equal(d_x, d_x_want)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_layer_quantizing_in_permute_is_the_layer_without(monkeypatch):
+    """moe_layer with FP8 experts at prefill: the same bits, and the same d x, whether permute
+    quantises the tokens or the FP8 call quantises permute's bf16 rows."""
+    config = MoEConfig(num_experts=16, top_k=4, hidden_size=256, max_tokens=512, dtype=BF16)
+    params = fp8.quantize_params(jax_moe.init_moe_params(jax.random.key(0), config, 1, 128, shared_ffn_size=128))
+    layer = jax.tree.map(lambda a: a[0], params)
+    x = jax.random.normal(jax.random.key(1), (512, 256)).astype(BF16)
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(experts, "QUANTIZE_IN_PERMUTE", fused)  # read when the layer is traced
+        run = lambda p, x, s: jax_moe.moe_layer(p, x, s)[0]
+        hlo = jax.jit(run).lower(layer, x, init_scratch(config)).compile().as_text()
+        assert hlo.count('custom_call_target="jax_moe_permute_fp8"') == fused
+        loss = lambda x: jnp.sum(jax_moe.moe_layer(layer, x, init_scratch(config))[0].astype(jnp.float32) ** 2)
+        outs.append((np.asarray(jax.jit(run)(layer, x, init_scratch(config)).view(jnp.uint16)),
+                     np.asarray(jax.jit(jax.grad(loss))(x).view(jnp.uint16))))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
