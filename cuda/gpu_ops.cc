@@ -42,6 +42,33 @@ bool ToFloatType(ffi::DataType type, FloatType* out) {
   }
 }
 
+// The launch arguments of permute's operands and results (checked by CheckPermuteShapes).
+PermuteArgs PermuteArgsOf(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& topk_ids,
+                          const ffi::Buffer<ffi::S32>& expert_map, void* permuted, ffi::Buffer<ffi::S32>& src_index,
+                          ffi::Buffer<ffi::S32>& dest_index, ffi::Buffer<ffi::S32>& group_sizes,
+                          ffi::Buffer<ffi::S32>& expert_offsets, ffi::Buffer<ffi::S32>& workspace,
+                          const PermuteShapes& shapes, int64_t align, bool identity_map) {
+  PermuteArgs args;
+  args.x = x.untyped_data();
+  args.topk_ids = topk_ids.typed_data();
+  args.expert_map = identity_map ? nullptr : expert_map.typed_data();
+  args.permuted = permuted;
+  args.src_index = src_index.typed_data();
+  args.dest_index = dest_index.typed_data();
+  args.group_sizes = group_sizes.typed_data();
+  args.expert_offsets = expert_offsets.typed_data();
+  args.workspace = workspace.typed_data();
+  args.num_tokens = shapes.num_tokens;
+  args.top_k = shapes.top_k;
+  args.num_experts = shapes.num_experts;
+  args.num_local = shapes.num_local;
+  args.capacity = shapes.capacity;
+  args.row_bytes = shapes.row_bytes;
+  args.align = align;
+  args.workspace_size = shapes.workspace_size;
+  return args;
+}
+
 ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
                        ffi::Buffer<ffi::S32> expert_map, ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
                        ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
@@ -55,24 +82,8 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
                                             *group_sizes, *expert_offsets, *workspace, align, identity_map, &shapes);
       error.failure())
     return error;
-  PermuteArgs args;
-  args.x = x.untyped_data();
-  args.topk_ids = topk_ids.typed_data();
-  args.expert_map = identity_map ? nullptr : expert_map.typed_data();
-  args.permuted = permuted->untyped_data();
-  args.src_index = src_index->typed_data();
-  args.dest_index = dest_index->typed_data();
-  args.group_sizes = group_sizes->typed_data();
-  args.expert_offsets = expert_offsets->typed_data();
-  args.workspace = workspace->typed_data();
-  args.num_tokens = shapes.num_tokens;
-  args.top_k = shapes.top_k;
-  args.num_experts = shapes.num_experts;
-  args.num_local = shapes.num_local;
-  args.capacity = shapes.capacity;
-  args.row_bytes = shapes.row_bytes;
-  args.align = align;
-  args.workspace_size = shapes.workspace_size;
+  const PermuteArgs args = PermuteArgsOf(x, topk_ids, expert_map, permuted->untyped_data(), *src_index, *dest_index,
+                                         *group_sizes, *expert_offsets, *workspace, shapes, align, identity_map);
   return CudaStatus(LaunchPermute(args, stream), "jax_moe permute");
 }
 
@@ -102,24 +113,8 @@ ffi::Error PermuteQuantizedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buff
       static_cast<int64_t>(row_scale->element_count()) != q_dims[0] * (h / 128))
     return InvalidArgument("permute_fp8: expected x [T, H] bf16 (H a multiple of 128), q_rows [R, H] float8_e4m3fn "
                            "and row_scale [R, H / 128] float32 with R >= T * k + El * (align - 1)");
-  PermuteArgs args;
-  args.x = x.untyped_data();
-  args.topk_ids = topk_ids.typed_data();
-  args.expert_map = identity_map ? nullptr : expert_map.typed_data();
-  args.permuted = nullptr;
-  args.src_index = src_index->typed_data();
-  args.dest_index = dest_index->typed_data();
-  args.group_sizes = group_sizes->typed_data();
-  args.expert_offsets = expert_offsets->typed_data();
-  args.workspace = workspace->typed_data();
-  args.num_tokens = shapes.num_tokens;
-  args.top_k = shapes.top_k;
-  args.num_experts = shapes.num_experts;
-  args.num_local = shapes.num_local;
-  args.capacity = shapes.capacity;
-  args.row_bytes = shapes.row_bytes;
-  args.align = align;
-  args.workspace_size = shapes.workspace_size;
+  const PermuteArgs args = PermuteArgsOf(x, topk_ids, expert_map, nullptr, *src_index, *dest_index, *group_sizes,
+                                         *expert_offsets, *workspace, shapes, align, identity_map);
   return CudaStatus(LaunchPermuteQuantized(args, q_rows->untyped_data(), row_scale->typed_data(), stream),
                     "jax_moe permute_fp8");
 }

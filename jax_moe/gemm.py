@@ -617,6 +617,25 @@ def fp8_swiglu_dequantized(rows, gate_up, gate_up_scale, down, down_scale, offse
     return fp8_dequantized_matmul(gated_silu(hidden, rows.dtype), down, down_scale, offsets, num_rows)
 
 
+def _check_fp8_swiglu(op, rows, rows_name, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, tile_rows):
+    """Trace-time ValueErrors for an FP8 SwiGLU call's operands; returns its row tile (tile_rows or
+    ``fp8_tile_rows``' pick)."""
+    _check_fp8_forward(rows, gate_up, gate_up_scale, offsets, num_rows, op, (rows_name, "gate_up", "gate_up_scale"))
+    num_groups, two_f, hidden_size = gate_up.shape
+    if two_f % 2:
+        raise ValueError(f"{op}: gate_up: expected [El, 2F, H] (gate rows, then up rows), got an odd "
+                         f"{two_f} rows: {tuple(gate_up.shape)}")
+    if jnp.shape(down) != (num_groups, hidden_size, two_f // 2):
+        raise ValueError(f"{op}: down: expected [El, H, F] = {(num_groups, hidden_size, two_f // 2)} "
+                         f"(gate_up is [El, 2F, H] = {tuple(gate_up.shape)}), got {tuple(jnp.shape(down))}")
+    _check_fp8_forward(jax.ShapeDtypeStruct((0, two_f // 2), rows.dtype), down, down_scale, offsets, 0, op,
+                       ("the activation", "down", "down_scale"))
+    tile_rows = fp8_tile_rows(num_rows, num_groups) if tile_rows is None else tile_rows
+    if tile_rows not in FP8_TILE_ROWS:
+        raise ValueError(f"{op}: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
+    return tile_rows
+
+
 def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows: int,
                        tile_rows: int | None = None, decode_rows: int | None = None, group_rows: int | None = None):
     """FP8 SwiGLU experts in one CUDA call: ``fp8_forward`` with ``gate_up`` [El, 2F, H], SwiGLU's
@@ -637,19 +656,9 @@ def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, 
     Returns ``([num_rows, H], workspace)``.
     """
     op = "fp8_swiglu_forward"
-    _check_fp8_forward(rows, gate_up, gate_up_scale, offsets, num_rows, op, ("rows", "gate_up", "gate_up_scale"))
+    tile_rows = _check_fp8_swiglu(op, rows, "rows", gate_up, gate_up_scale, down, down_scale, offsets, num_rows,
+                                  tile_rows)
     num_groups, two_f, hidden_size = gate_up.shape
-    if two_f % 2:
-        raise ValueError(f"{op}: gate_up: expected [El, 2F, H] (gate rows, then up rows), got an odd "
-                         f"{two_f} rows: {tuple(gate_up.shape)}")
-    if jnp.shape(down) != (num_groups, hidden_size, two_f // 2):
-        raise ValueError(f"{op}: down: expected [El, H, F] = {(num_groups, hidden_size, two_f // 2)} "
-                         f"(gate_up is [El, 2F, H] = {tuple(gate_up.shape)}), got {tuple(jnp.shape(down))}")
-    _check_fp8_forward(jax.ShapeDtypeStruct((0, two_f // 2), rows.dtype), down, down_scale, offsets, 0, op,
-                       ("the activation", "down", "down_scale"))
-    tile_rows = fp8_tile_rows(num_rows, num_groups) if tile_rows is None else tile_rows
-    if tile_rows not in FP8_TILE_ROWS:
-        raise ValueError(f"{op}: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
     if decode_rows is None:
         decode_rows = fp8_decode_rows(num_rows, num_groups, hidden_size, two_f // 2)
     elif decode_rows not in (0,) + FP8_DECODE_ROWS_PER_PASS:
@@ -692,16 +701,9 @@ def fp8_swiglu_quantized_forward(q_rows, row_scale, gate_up, gate_up_scale, down
         raise ValueError(f"{op}: row_scale: expected float32 {list(want)} ([R, H/128] beside q_rows), "
                          f"got {row_scale.dtype}{list(row_scale.shape)}")
     rows_like = jax.ShapeDtypeStruct(q_rows.shape, jnp.bfloat16)
-    _check_fp8_forward(rows_like, gate_up, gate_up_scale, offsets, num_rows, op, ("q_rows", "gate_up", "gate_up_scale"))
-    num_groups, two_f, hidden_size = gate_up.shape
-    if jnp.shape(down) != (num_groups, hidden_size, two_f // 2):
-        raise ValueError(f"{op}: down: expected [El, H, F] = {(num_groups, hidden_size, two_f // 2)}, "
-                         f"got {tuple(jnp.shape(down))}")
-    _check_fp8_forward(jax.ShapeDtypeStruct((0, two_f // 2), jnp.bfloat16), down, down_scale, offsets, 0, op,
-                       ("the activation", "down", "down_scale"))
-    tile_rows = fp8_tile_rows(num_rows, num_groups) if tile_rows is None else tile_rows
-    if tile_rows not in FP8_TILE_ROWS:
-        raise ValueError(f"{op}: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
+    tile_rows = _check_fp8_swiglu(op, rows_like, "q_rows", gate_up, gate_up_scale, down, down_scale, offsets,
+                                  num_rows, tile_rows)
+    hidden_size = gate_up.shape[2]
 
     def fallback(q, s, gu, gus, d, ds, o, ws):  # fp8_swiglu_dequantized's math from the quantised rows
         a = fp8.dequantize_rows(q[:num_rows], s[:num_rows], jnp.float32)
