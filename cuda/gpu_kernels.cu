@@ -445,7 +445,8 @@ __global__ void __launch_bounds__(kThreads) CopyRowsKernel(PermuteArgs a, int64_
 // 8-value piece of a token's bf16 row (a 1 x 128 group is 16 lanes of one half warp,
 // QuantizeGroupPiece: the bytes of QuantizeRows on the permuted rows) and stores it, and the group's
 // scale, to each of the token's kept rows. Blocks past the copies write the padding rows as
-// QuantizeRows writes zero rows: zero bytes, scale 1. H is a multiple of 128, so a row's groups start on half-warp boundaries.
+// QuantizeRows writes zero rows: zero bytes, scale 1. H is a multiple of 128, so a row's groups
+// start on half-warp boundaries.
 __global__ void __launch_bounds__(kThreads) CopyRowsQuantizedKernel(PermuteArgs a, uint2* q_rows, float* row_scale,
                                                                      int64_t chunks, int tiles) {
   const int64_t pieces_per_row = a.row_bytes / 16, groups_per_row = pieces_per_row / 16;

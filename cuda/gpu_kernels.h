@@ -73,8 +73,9 @@ struct GatherRowsArgs {
 cudaError_t LaunchPermute(const PermuteArgs& args, cudaStream_t stream);
 // permute for FP8 experts: the same indices, and instead of the rows (args.permuted is not written)
 // each kept row quantised per 1 x 128 group as QuantizeRows quantises (grouped_gemm_fp8.h):
-// q_rows [>= live rows, H] float8_e4m3fn, row_scale [>= live rows, H / 128] float32, padding rows
-// zero. x bf16 with H a multiple of 128. Always the four-launch path (prefill-sized routes).
+// q_rows [>= live rows, H] float8_e4m3fn, row_scale [>= live rows, H / 128] float32 (padding rows
+// as zero rows quantise: zero bytes, scale 1; rows past the live ones unwritten). x bf16 with H a
+// multiple of 128. Always the four-launch path (prefill-sized routes).
 cudaError_t LaunchPermuteQuantized(const PermuteArgs& args, void* q_rows, float* row_scale, cudaStream_t stream);
 cudaError_t LaunchUnpermute(const UnpermuteArgs& args, cudaStream_t stream);
 cudaError_t LaunchUnpermuteGrad(const UnpermuteGradArgs& args, cudaStream_t stream);

@@ -391,15 +391,15 @@ def permute_fp8(x: jax.Array, topk_ids: jax.Array, scratch: MoEScratch, num_rows
     """``permute`` for FP8 experts: the same indices, and the rows quantised instead of copied.
 
     Returns ``(scratch, q_rows [num_rows, H] float8_e4m3fn, row_scale [num_rows, H/128] float32)``:
-    the live rows (``expert_offsets[-1]`` of them, padding rows zero) are those of
+    the live rows (``expert_offsets[-1]`` of them, padding rows included) are those of
     ``fp8.quantize_rows(permute(x, topk_ids, scratch).permuted[:num_rows])``, bitwise (each 1 x 128
     group quantised alone, so quantising a token's row before its k copies gives the same bytes);
     rows past them are unspecified (the FP8 GEMMs write zero rows there). num_rows: at least
-    ``config.live_row_bound(T)``, at most R_cap. On a
-    GPU (bf16 x, H a multiple of 128) one call whose copy launch quantises: a prefill layer's
-    permuted bf16 rows are neither written nor read back (``scratch.permuted`` is left as it was).
-    Elsewhere ``permute`` then ``fp8.quantize_rows``. No autodiff rule: a differentiable caller
-    wraps it (``jax_moe.experts``' FP8 prefill path recomputes the rows in its backward).
+    ``config.live_row_bound(T)``, at most R_cap. On a GPU (bf16 x, H a multiple of 128) one call
+    whose copy launch quantises: a prefill layer's permuted bf16 rows are neither written nor read
+    back (``scratch.permuted`` is left as it was). Elsewhere ``permute`` then ``fp8.quantize_rows``.
+    No autodiff rule: a differentiable caller wraps it (``jax_moe.experts``' FP8 prefill path
+    recomputes the rows in its backward).
     """
     ids = _validate.check_permute_args(x, topk_ids, scratch)
     config = scratch.config
