@@ -478,6 +478,19 @@ __global__ void __launch_bounds__(kThreads) CopyRowsQuantizedKernel(PermuteArgs 
   }
 }
 
+// The large path's first three launches (tile counts, per-expert prefixes, stable ranks and
+// indices), shared by the row copies of LaunchPermuteTyped and LaunchPermuteQuantized. Returns the
+// number of route tiles, or -1 when the workspace cannot hold their counts (nothing launched).
+int LaunchRankTiles(const PermuteArgs& a, cudaStream_t stream) {
+  const int tiles = static_cast<int>((a.num_tokens * a.top_k + kTileRoutes - 1) / kTileRoutes);
+  if (a.workspace_size < a.num_local * (tiles + 1)) return -1;
+  TileCountKernel<<<tiles, kThreads, a.num_local * 4, stream>>>(a, tiles);
+  TilePrefixKernel<<<(a.num_local + kWarps - 1) / kWarps, kThreads, 0, stream>>>(a, tiles);
+  const int rank_warps = PermuteRankWarps(kTileRoutes, a.num_local + 1, a.num_local);
+  RankKernel<<<tiles, kThreads, (a.num_local + 1 + rank_warps * a.num_local) * 4, stream>>>(a, tiles, rank_warps);
+  return tiles;
+}
+
 template <typename V>
 cudaError_t LaunchPermuteTyped(const PermuteArgs& a, cudaStream_t stream) {
   const int64_t routes = a.num_tokens * a.top_k;
@@ -497,12 +510,8 @@ cudaError_t LaunchPermuteTyped(const PermuteArgs& a, cudaStream_t stream) {
     PermuteFusedKernel<V><<<blocks, kThreads, ints * 4, stream>>>(a, rank_warps);
     return cudaGetLastError();
   }
-  const int tiles = static_cast<int>((routes + kTileRoutes - 1) / kTileRoutes);
-  if (a.workspace_size < a.num_local * (tiles + 1)) return cudaErrorInvalidValue;
-  TileCountKernel<<<tiles, kThreads, a.num_local * 4, stream>>>(a, tiles);
-  TilePrefixKernel<<<(a.num_local + kWarps - 1) / kWarps, kThreads, 0, stream>>>(a, tiles);
-  const int rank_warps = PermuteRankWarps(kTileRoutes, a.num_local + 1, a.num_local);
-  RankKernel<<<tiles, kThreads, (a.num_local + 1 + rank_warps * a.num_local) * 4, stream>>>(a, tiles, rank_warps);
+  const int tiles = LaunchRankTiles(a, stream);
+  if (tiles < 0) return cudaErrorInvalidValue;
   CopyRowsKernel<V><<<CopyBlocks(a.num_tokens, vecs_per_row) + padding_items, kThreads, 0, stream>>>(a, chunks, tiles);
   return cudaGetLastError();
 }
@@ -735,16 +744,11 @@ cudaError_t LaunchPermuteQuantized(const PermuteArgs& a, void* q_rows, float* ro
   const uintptr_t addresses = reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(q_rows);
   if (a.row_bytes % 256 != 0 || addresses % 16 != 0 || a.num_tokens < 1) return cudaErrorInvalidValue;
   // Always the large path: its copy launch is the one that quantises (prefill-sized routes).
-  const int64_t routes = a.num_tokens * a.top_k;
-  const int tiles = static_cast<int>((routes + kTileRoutes - 1) / kTileRoutes);
-  if (a.workspace_size < a.num_local * (tiles + 1)) return cudaErrorInvalidValue;
+  const int tiles = LaunchRankTiles(a, stream);
+  if (tiles < 0) return cudaErrorInvalidValue;
   const int64_t pieces_per_row = a.row_bytes / 16;
   const int64_t chunks = (pieces_per_row + kThreads - 1) / kThreads;
   const int64_t padding_items = a.align > 1 ? a.num_local * chunks : 0;
-  TileCountKernel<<<tiles, kThreads, a.num_local * 4, stream>>>(a, tiles);
-  TilePrefixKernel<<<(a.num_local + kWarps - 1) / kWarps, kThreads, 0, stream>>>(a, tiles);
-  const int rank_warps = PermuteRankWarps(kTileRoutes, a.num_local + 1, a.num_local);
-  RankKernel<<<tiles, kThreads, (a.num_local + 1 + rank_warps * a.num_local) * 4, stream>>>(a, tiles, rank_warps);
   CopyRowsQuantizedKernel<<<CopyBlocks(a.num_tokens, pieces_per_row) + padding_items, kThreads, 0, stream>>>(
       a, static_cast<uint2*>(q_rows), row_scale, chunks, tiles);
   return cudaGetLastError();

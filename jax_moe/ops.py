@@ -87,21 +87,27 @@ def fence_results(outputs):
     return lax.optimization_barrier(outputs)
 
 
-def _permute_native(x, ids, scratch: MoEScratch) -> MoEScratch:
+def _permute_call(target: str, x, ids, scratch: MoEScratch, extra_results=()):
+    """A permute-shaped custom call (``jax_moe_permute``, ``jax_moe_permute_fp8``): ``(scratch,
+    *extra)``, the scratch buffers written in place, then the results of ``extra_results`` shapes."""
     config = scratch.config
     buffers = scratch.buffers()
     call = jax.ffi.ffi_call(
-        _native.PERMUTE_TARGET,
-        tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers),
+        target,
+        tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers) + tuple(extra_results),
         input_output_aliases=_PERMUTE_ALIASES,
         vmap_method=_VMAP_METHOD)
     # The identity map is an attribute (no per-route lookup), its operand a 1-element placeholder:
     # an empty operand crashed jaxlib 0.11.2's compiler inside a shard_map over 2+ GPUs.
     identity = config.expert_map is None
     expert_map = np.zeros((1,), np.int32) if identity else config.expert_map_array()
-    outputs = call(x, ids, jnp.asarray(expert_map), *buffers, align=np.int64(config.align),
-                   identity_map=np.bool_(identity))
-    return scratch.replace(**dict(zip(BUFFER_NAMES, fence_results(outputs))))
+    outputs = fence_results(call(x, ids, jnp.asarray(expert_map), *buffers, align=np.int64(config.align),
+                                 identity_map=np.bool_(identity)))
+    return (scratch.replace(**dict(zip(BUFFER_NAMES, outputs))), *outputs[len(buffers):])
+
+
+def _permute_native(x, ids, scratch: MoEScratch) -> MoEScratch:
+    return _permute_call(_native.PERMUTE_TARGET, x, ids, scratch)[0]
 
 
 def _unpermute_native(y, topk_weights, dest_index):
@@ -419,17 +425,9 @@ def permute_fp8(x: jax.Array, topk_ids: jax.Array, scratch: MoEScratch, num_rows
         return fallback(x, ids, scratch)
 
     def native(x, ids, scratch):
-        buffers = scratch.buffers()
-        shapes = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers]
-        shapes += [jax.ShapeDtypeStruct((num_rows, x.shape[1]), fp8.FP8),
-                   jax.ShapeDtypeStruct((num_rows, x.shape[1] // fp8.BLOCK), jnp.float32)]
-        call = jax.ffi.ffi_call(_native.PERMUTE_FP8_TARGET, tuple(shapes), input_output_aliases=_PERMUTE_ALIASES,
-                                vmap_method=_VMAP_METHOD)
-        identity = config.expert_map is None
-        expert_map = np.zeros((1,), np.int32) if identity else config.expert_map_array()
-        outputs = fence_results(call(x, ids, jnp.asarray(expert_map), *buffers, align=np.int64(config.align),
-                                     identity_map=np.bool_(identity)))
-        return scratch.replace(**dict(zip(BUFFER_NAMES, outputs))), outputs[-2], outputs[-1]
+        quantized = (jax.ShapeDtypeStruct((num_rows, x.shape[1]), fp8.FP8),
+                     jax.ShapeDtypeStruct((num_rows, x.shape[1] // fp8.BLOCK), jnp.float32))
+        return _permute_call(_native.PERMUTE_FP8_TARGET, x, ids, scratch, quantized)
 
     return lax.platform_dependent(x, ids, scratch, cuda=native, default=fallback)
 
