@@ -194,18 +194,41 @@ def test_train_suite_runs_jax_moe_and_baseline_steps():
 
 
 def test_decode_suite_reports_roofline_of_the_bytes_read():
-    rows, notes = decode_suite.run([TINY], (1, 4), timing.Clock(), 1, with_peer=False)
-    assert {(r["T"], r["impl"]) for r in rows} == {(t, v) for t in (1, 4) for v in decode_suite.VARIANTS}
+    rows, notes = decode_suite.run([TINY], (1, 4, 64), timing.Clock(), 1, with_peer=False)
+    # The CUTLASS-path variant only where the decode kernel is picked (elsewhere it is the same program).
+    assert {(r["T"], r["impl"]) for r in rows} == {(r["T"], v) for r in rows for v in decode_suite.VARIANTS
+                                                   if v == "jax_moe" or r["tile"] == "decode"}
+    assert {r["tile"] for r in rows if r["T"] == 1} == {"decode"} and {r["tile"] for r in rows if r["T"] == 64} != {"decode"}
     expert_bytes = 3 * TINY.hidden_size * TINY.ffn_size * 2
     for row in rows:
         assert "error" not in row, row
         # T tokens own at most T*k experts; at least one when any route is kept.
         assert 1 <= row["active_experts"] <= min(TINY.num_experts, row["T"] * TINY.top_k)
         assert row["bytes_per_layer"] > row["active_experts"] * expert_bytes  # plus the router
+        assert row["flops_per_layer"] == decode_suite.layer_flops(TINY, row["T"])
+        assert row["roofline_us"] == max(row["byte_roofline_us"], row["flop_roofline_us"])
+        assert row["bound"] == ("bytes" if row["byte_roofline_us"] >= row["flop_roofline_us"] else "FLOPs")
         assert row["us_per_layer"] > 0 and _close(row["pct_roofline"], 100 * row["roofline_us"] / row["us_per_layer"])
     assert any("copy ceiling" in n for n in notes)
     text = decode_suite.table(rows)
     assert "roofline" in text and TINY.label in text
+
+
+def test_decode_suite_roofline_is_the_longer_of_bytes_and_flops():
+    """Prefill rows are bound by FLOPs where decode rows are bound by bytes; FP8 rows by their own rate."""
+    deepseek = MODELS["deepseek_v3"]
+    routed = 2 * 4096 * 8 * 7168 * 3 * 2048
+    assert decode_suite.layer_flops(deepseek, 4096) == routed + 2 * 4096 * 7168 * 3 * 2048 + 2 * 4096 * 7168 * 256
+    flops = decode_suite.layer_flops(deepseek, 4096)
+    bf16 = decode_suite.roofline_fields(22.5e9, flops, 4280.0, decode_suite.DENSE_TFLOPS)
+    assert bf16["bound"] == "bytes" and _close(bf16["roofline_us"], 22.5e9 / 4280e3)
+    assert _close(bf16["flop_roofline_us"], flops / (decode_suite.DENSE_TFLOPS * 1e6))
+    small = decode_suite.roofline_fields(1e6, flops, 4280.0, decode_suite.DENSE_TFLOPS)
+    assert small["bound"] == "FLOPs" and small["roofline_us"] == small["flop_roofline_us"]
+    fp8_rate = decode_suite.roofline_fields(1e6, flops, 4280.0, decode_suite.FP8_DENSE_TFLOPS)
+    assert _close(fp8_rate["roofline_us"], small["roofline_us"] / 2)
+    unmeasured = decode_suite.roofline_fields(1e6, flops, None, decode_suite.DENSE_TFLOPS)
+    assert unmeasured["roofline_us"] is None and unmeasured["bound"] is None
 
 
 def test_decode_suite_measures_each_model_in_a_process_of_its_own_when_asked():

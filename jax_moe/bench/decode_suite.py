@@ -1,6 +1,6 @@
-"""Suite `decode`: the whole scanned MoE stack at decode sizes against its weight-read roofline.
+"""Suite `decode`: the whole scanned MoE stack against its roofline, at decode sizes and at prefill.
 
-Per model and T (1 to 64 tokens): one jitted step of ``moe_stack`` over L layers (rolled scan,
+Per model and T (by default 1 to 64 tokens; ``--tokens 4096`` for prefill): one jitted step of ``moe_stack`` over L layers (rolled scan,
 scratch donated and threaded step to step, routing by each layer's own router), µs per layer, for
 - ``jax_moe``: the kernels ``gemm.pick_tile`` chooses (the decode kernel at few rows per expert);
 - ``jax_moe/cutlass``: the same step with the decode kernel switched off (CUTLASS grouped GEMMs:
@@ -18,10 +18,15 @@ scratch donated and threaded step to step, routing by each layer's own router), 
 - the PyTorch + Hugging Face peer: L transformers ``Qwen3MoeSparseMoeBlock``s (torch grouped_mm)
   in the same residual stack, the forward captured in one CUDA graph, its own process.
 
-Roofline per layer = bytes the layer must read / the copy rate measured in the same run, the bytes
-being those of the experts that own rows (counted on the device from the step's own routing,
-averaged over layers) plus the shared expert and the router. At T <= 64 bytes bound every model
-(the FLOP roofline, 2*T*k*H*3F / dense rate, is reported too).
+Roofline per layer = whichever bound is longer (the row's ``bound``):
+- bytes: what the layer must read / the copy rate measured in the same run, the bytes being those
+  of the experts that own rows (counted on the device from the step's own routing, averaged over
+  layers) plus the shared expert and the router;
+- FLOPs: the forward's (router, T*k routed rows and T shared rows through three projections) / the
+  dense tensor-core rate (bf16: DENSE_TFLOPS; FP8: FP8_DENSE_TFLOPS).
+At T <= 64 bytes bound every model; prefill sizes (``--tokens 4096``) are bound by FLOPs or, at
+few rows per expert (DeepSeek-V3, Qwen3.5-397B), still by bytes. Where the decode kernels are not
+picked (prefill), the variants that switch them off are the same program and are not run.
 """
 
 from __future__ import annotations
@@ -55,16 +60,21 @@ QUICK_TOKENS = (1, 16)
 LAYERS = {"mixtral": 8, "qwen3_30b": 16, "deepseek_v3": 4, "qwen35_397b": 8, "tiny": 2}
 PEER_STEPS, PEER_WARMUP, PEER_TIMEOUT_S = 50, 5, 300
 DENSE_TFLOPS = 790.0  # bf16 dense rate of the H200 (DESIGN.md §7b), for the FLOP roofline only
+# FP8 (e4m3) dense rate for the FP8 rows' FLOP roofline: the H200's FP8 tensor cores peak at twice
+# their bf16 rate (1979 vs 989 TFLOP/s dense in NVIDIA's specification), so twice the measured bf16 rate.
+FP8_DENSE_TFLOPS = 2 * DENSE_TFLOPS
 VARIANTS = ("jax_moe", "jax_moe/cutlass")
 SHARED_APART = "jax_moe/shared-apart"
 FP8_VARIANT = "jax_moe/fp8"
 FP8_VARIANTS = (FP8_VARIANT, "jax_moe/fp8-cutlass")
 FP8_SHARED_APART = "jax_moe/fp8-shared-apart"
-METHOD = ("Per layer = back-to-back step time / L (" + timing.STEP_METHOD + "). Roofline = (bytes of the "
-          "experts owning rows, counted from the step's routing and averaged over layers, + shared expert "
-          "+ router) / copy rate of the same run. Peer: transformers Qwen3MoeSparseMoeBlock stack with torch "
-          f"grouped_mm, forward in one CUDA graph, {PEER_STEPS} replays after {PEER_WARMUP}, its own "
-          "process; it has no shared expert and routes by softmax top-k for every model.")
+METHOD = ("Per layer = back-to-back step time / L (" + timing.STEP_METHOD + "). Roofline = the longer of "
+          "bytes (the experts owning rows, counted from the step's routing and averaged over layers, + shared "
+          "expert + router) / copy rate of the same run and FLOPs (router, T*k routed and T shared rows, three "
+          f"projections) / dense rate ({DENSE_TFLOPS:.0f} TFLOP/s bf16, {FP8_DENSE_TFLOPS:.0f} FP8). Peer: "
+          "transformers Qwen3MoeSparseMoeBlock stack with torch grouped_mm, forward in one CUDA graph, "
+          f"{PEER_STEPS} replays after {PEER_WARMUP}, its own process; it has no shared expert and routes by "
+          "softmax top-k for every model.")
 
 
 @contextlib.contextmanager
@@ -119,6 +129,25 @@ def layer_bytes(model: ModelShape, params: dict, active_experts: float) -> float
 EXPERT_LEAVES = ("gate_up", "down", *(name + fp8.SCALE_SUFFIX for name in fp8.QUANTIZED_NAMES))
 
 
+def layer_flops(model: ModelShape, tokens: int) -> float:
+    """FLOPs of one layer's forward: the router product, the T*k routed rows and the T shared rows
+    through their three projections (H -> 2F -> F -> H)."""
+    routed = 2 * tokens * model.top_k * model.hidden_size * 3 * model.ffn_size
+    shared = 2 * tokens * model.hidden_size * 3 * (model.shared_ffn or 0)
+    return routed + shared + 2 * tokens * model.hidden_size * model.num_experts
+
+
+def roofline_fields(bytes_read: float, flops: float, copy_gbs: float | None, dense_tflops: float) -> dict:
+    """A row's roofline: the longer of the byte bound (bytes / copy rate, only where the copy rate was
+    measured) and the FLOP bound (flops / dense rate), µs, and which one it is."""
+    byte_us = bytes_read / (copy_gbs * 1e3) if copy_gbs else None
+    flop_us = flops / (dense_tflops * 1e6)
+    if byte_us is None:
+        return {"roofline_us": None, "flop_roofline_us": flop_us, "bound": None}
+    return {"roofline_us": max(byte_us, flop_us), "byte_roofline_us": byte_us, "flop_roofline_us": flop_us,
+            "bound": "bytes" if byte_us >= flop_us else "FLOPs"}
+
+
 def _active_experts(params, x, config) -> float:
     """Experts owning rows per layer, averaged over the stack's layers, from its own routing."""
     run = jax.jit(lambda p, x, s: jax_moe.moe_stack(p, x, s, with_aux=True)[2]["expert_counts"])
@@ -162,9 +191,6 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
     stack_args = (key, model.config(max(token_counts)), layers, model.ffn_size)
     params = init_stack_params(*stack_args, **model.param_options())
 
-    def roofline(bytes_read):
-        return bytes_read / (copy_gbs * 1e3) if copy_gbs else None
-
     # Each T's config and tokens, the same for the bf16 and the FP8 stack.
     inputs = {tokens: (model.config(max(tokens, scratch_tokens or 0)),
                        jax.random.normal(jax.random.fold_in(key, tokens), (tokens, model.hidden_size), ROW_DTYPE))
@@ -173,18 +199,19 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
     for tokens, (config, x) in inputs.items():
         active = _active_experts(params, x, config)
         bytes_read = layer_bytes(model, params, active)
+        tile = gemm.pick_tile(config.live_row_bound(tokens), config.num_local_experts,
+                              config.group_row_bound(tokens))
         base = bases[tokens] = {
             "model": model.name, "label": model.label, "T": tokens, "scratch_tokens": config.max_tokens,
-            "layers": layers, "active_experts": active,
-            "bytes_per_layer": bytes_read, "roofline_us": roofline(bytes_read),
-            "flop_roofline_us": 2 * tokens * model.top_k * model.hidden_size * 3 * model.ffn_size
-            / (DENSE_TFLOPS * 1e6),
-            "tile": gemm.TILE_NAMES[gemm.pick_tile(config.live_row_bound(tokens), config.num_local_experts,
-                                                   config.group_row_bound(tokens))]}
+            "layers": layers, "active_experts": active, "bytes_per_layer": bytes_read,
+            "flops_per_layer": layer_flops(model, tokens),
+            **roofline_fields(bytes_read, layer_flops(model, tokens), copy_gbs, DENSE_TFLOPS),
+            "tile": gemm.TILE_NAMES[tile]}
         layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)  # (no copy of a layer)
-        fused = experts.shared_rides_decode(layer, x, gemm.pick_tile(
-            config.live_row_bound(tokens), config.num_local_experts, config.group_row_bound(tokens)))
-        for variant in VARIANTS + ((SHARED_APART,) if fused else ()):
+        fused = experts.shared_rides_decode(layer, x, tile)
+        # Without the decode kernel picked, switching it off gives the same program: not run again.
+        variants = VARIANTS if tile == gemm.DECODE_TILE else VARIANTS[:1]
+        for variant in variants + ((SHARED_APART,) if fused else ()):
             rows.append(row := {**base, "impl": variant})
             with decode_kernel(variant != "jax_moe/cutlass"), shared_in_decode_launch(variant != SHARED_APART):
                 _time_step(params, x, config, layers, row)
@@ -200,9 +227,12 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
         for tokens, (config, x) in inputs.items():
             bytes_read = layer_bytes(model, params, bases[tokens]["active_experts"])
             rides = experts.fp8_shared_rides_decode(layer, x, config.live_row_bound(tokens), config.num_local_experts)
-            for variant in FP8_VARIANTS + ((FP8_SHARED_APART,) if rides else ()):
+            on_decode_kernel = gemm.fp8_decode_rows(config.live_row_bound(tokens), config.num_local_experts,
+                                                    model.hidden_size, model.ffn_size) > 0
+            for variant in (FP8_VARIANTS if on_decode_kernel else FP8_VARIANTS[:1]) + ((FP8_SHARED_APART,) if rides else ()):
                 rows.append(row := {**bases[tokens], "impl": variant, "bytes_per_layer": bytes_read,
-                                    "roofline_us": roofline(bytes_read)})
+                                    **roofline_fields(bytes_read, bases[tokens]["flops_per_layer"], copy_gbs,
+                                                      FP8_DENSE_TFLOPS)})
                 with fp8_decode_kernel(variant != FP8_VARIANTS[1]), shared_in_decode_launch(variant != FP8_SHARED_APART):
                     _time_step(params, x, config, layers, row)
             _log(clock, rows, model, tokens)
@@ -299,7 +329,7 @@ def table(rows: list[dict]) -> str:
         by = {r["impl"]: r for r in rows if (r["model"], r["T"]) == (model, tokens)}
         first = next(iter(by.values()))
         line = [first["label"], str(tokens), f"{first['active_experts']:.1f}", fmt_us(first.get("roofline_us")),
-                first["tile"]]
+                first.get("bound") or "–", first["tile"]]
         for impl in (*VARIANTS, SHARED_APART, "peer"):
             r = by.get(impl, {})
             line += [fmt_us(r.get("us_per_layer")), fmt_pct(r.get("pct_roofline"))]
@@ -307,17 +337,17 @@ def table(rows: list[dict]) -> str:
         fp8_cutlass, fp8_apart = by.get(FP8_VARIANTS[1], {}), by.get(FP8_SHARED_APART, {})
         line.append(f"{peer['us_per_layer'] / ours['us_per_layer']:.2f}x"
                     if ours.get("us_per_layer") and peer.get("us_per_layer") else "–")
-        line += [fmt_us(fp8_row.get("roofline_us")), fmt_us(fp8_row.get("us_per_layer")),
+        line += [fmt_us(fp8_row.get("roofline_us")), fp8_row.get("bound") or "–", fmt_us(fp8_row.get("us_per_layer")),
                  fmt_pct(fp8_row.get("pct_roofline")), fmt_us(fp8_cutlass.get("us_per_layer")),
                  fmt_pct(fp8_cutlass.get("pct_roofline")), fmt_us(fp8_apart.get("us_per_layer")),
                  fmt_pct(fp8_apart.get("pct_roofline")),
                  f"{ours['us_per_layer'] / fp8_row['us_per_layer']:.2f}x"
                  if ours.get("us_per_layer") and fp8_row.get("us_per_layer") else "–"]
         lines.append(line)
-    return md_table(["model", "T", "experts read", "roofline µs", "kernel", "jax_moe µs", "% roofline",
+    return md_table(["model", "T", "experts read", "roofline µs", "bound", "kernel", "jax_moe µs", "% roofline",
                      "CUTLASS path µs", "% roofline", "shared expert apart µs", "% roofline",
                      "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
-                     "FP8 roofline µs", "FP8 µs", "% FP8 roofline", "FP8 CUTLASS path µs", "% FP8 roofline",
+                     "FP8 roofline µs", "FP8 bound", "FP8 µs", "% FP8 roofline", "FP8 CUTLASS path µs", "% FP8 roofline",
                      "FP8 shared apart µs", "% FP8 roofline", "FP8 vs bf16"], lines)
 
 
