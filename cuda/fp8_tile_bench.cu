@@ -4,12 +4,19 @@
 // cluster, M-first raster). Groups are sized by random top-k routing. On the GPU machine,
 // repository root (the CUTLASS include folder as for the library build):
 //   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
-//     -I$CUTLASS/include cuda/fp8_tile_bench.cu -o /tmp/fp8tb && /tmp/fp8tb
+//     -I$CUTLASS/include cuda/fp8_tile_bench.cu -o /tmp/fp8tb && /tmp/fp8tb [sustained] [CASE]
+// "sustained" also times each configuration after about 2 s of back-to-back calls: under sustained
+// GEMM load the H200 holds its 700 W cap by lowering the SM clock (1980 -> about 1500 MHz measured),
+// so a short burst and a long prefill rank configurations differently. CASE keeps the cases whose
+// name contains it.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -42,6 +49,8 @@ __global__ void Compare(const uint16_t* x, const uint16_t* y, int64_t n, unsigne
 
 using Cluster1x1 = cute::Shape<cute::_1, cute::_1, cute::_1>;
 using Cluster2x1 = cute::Shape<cute::_2, cute::_1, cute::_1>;
+using Cluster1x4 = cute::Shape<cute::_1, cute::_4, cute::_1>;  // four N tiles share the rows' loads
+using Cluster1x8 = cute::Shape<cute::_1, cute::_8, cute::_1>;
 
 struct Variant {
   const char* name;
@@ -64,7 +73,13 @@ struct Case { const char* name; int E, k; int64_t T, K, N; };
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  bool sustained = false;
+  const char* only = nullptr;
+  for (int i = 1; i < argc; ++i) {
+    if (!strcmp(argv[i], "sustained")) sustained = true;
+    else only = argv[i];
+  }
   const Case cases[] = {
       {"dsv3 gu T4096", 256, 8, 4096, 7168, 4096}, {"dsv3 dn T4096", 256, 8, 4096, 2048, 7168},
       {"dsv3 gu T1024", 256, 8, 1024, 7168, 4096}, {"dsv3 dn T1024", 256, 8, 1024, 2048, 7168},
@@ -72,14 +87,18 @@ int main() {
       {"qwen3 gu T4096", 128, 8, 4096, 2048, 1536}, {"qwen3 dn T4096", 128, 8, 4096, 768, 2048},
       {"dsv3 shared gu T4096", 1, 1, 4096, 7168, 4096},
   };
+  // The first is the reference every other configuration's output is compared with.
   const Variant variants[] = {
       {"coop128 1x2 M-first (library)", Run<Cooperative<128, Cluster1x2>>, RasterOrder::AlongM, 1},
       {"coop128 1x2 N-first", Run<Cooperative<128, Cluster1x2>>, RasterOrder::AlongN, 1},
       {"coop128 1x2 swizzle 2", Run<Cooperative<128, Cluster1x2>>, RasterOrder::AlongM, 2},
       {"coop128 1x2 swizzle 8", Run<Cooperative<128, Cluster1x2>>, RasterOrder::AlongM, 8},
       {"coop128 2x1", Run<Cooperative<128, Cluster2x1>>, RasterOrder::AlongM, 1},
+      {"coop128 1x4", Run<Cooperative<128, Cluster1x4>>, RasterOrder::AlongM, 1},
+      {"coop128 1x8", Run<Cooperative<128, Cluster1x8>>, RasterOrder::AlongM, 1},
       {"coop128 1x1", Run<Cooperative<128, Cluster1x1>>, RasterOrder::AlongM, 1},
       {"pingpong64 1x2 (library)", Run<Pingpong<64, Cluster1x2>>, RasterOrder::AlongM, 1},
+      {"pingpong64 1x4", Run<Pingpong<64, Cluster1x4>>, RasterOrder::AlongM, 1},
       {"pingpong64 1x1", Run<Pingpong<64, Cluster1x1>>, RasterOrder::AlongM, 1},
   };
   int sms = 0;
@@ -87,6 +106,7 @@ int main() {
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
   for (const Case& c : cases) {
+    if (only != nullptr && strstr(c.name, only) == nullptr) continue;
     const int64_t R = c.T * c.k, E = c.E;
     std::mt19937 g(1);
     std::vector<int> counts(E, 0);
@@ -117,9 +137,10 @@ int main() {
     CK(cudaMalloc(&doff, (E + 1) * 4));
     CK(cudaMalloc(&dbad, 8));
     size_t cutlass_bytes = 0;
-    cutlass_bytes = std::max({CutlassWorkspace<Cooperative<128, Cluster1x2>>(E), CutlassWorkspace<Cooperative<128, Cluster2x1>>(E),
-                              CutlassWorkspace<Cooperative<128, Cluster1x1>>(E), CutlassWorkspace<Pingpong<64, Cluster1x2>>(E),
-                              CutlassWorkspace<Pingpong<64, Cluster1x1>>(E)});
+    cutlass_bytes = std::max({CutlassWorkspace<Cooperative<128, Cluster1x2>>(E), CutlassWorkspace<Cooperative<128, Cluster1x4>>(E),
+                              CutlassWorkspace<Cooperative<128, Cluster1x8>>(E), CutlassWorkspace<Cooperative<128, Cluster1x1>>(E),
+                              CutlassWorkspace<Cooperative<128, Cluster2x1>>(E), CutlassWorkspace<Pingpong<64, Cluster1x2>>(E),
+                              CutlassWorkspace<Pingpong<64, Cluster1x4>>(E), CutlassWorkspace<Pingpong<64, Cluster1x1>>(E)});
     const size_t wsb = WorkspaceLayout(E).cutlass + cutlass_bytes;
     CK(cudaMalloc(&ws, wsb));
     CK(cudaMemcpy(doff, off.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
@@ -147,9 +168,16 @@ int main() {
       Compare<<<1024, 256, 0, st>>>(static_cast<const uint16_t*>(args.out), static_cast<const uint16_t*>(ref), R * c.N, dbad);
       unsigned long long bad = 0;
       CK(cudaMemcpy(&bad, dbad, 8, cudaMemcpyDeviceToHost));
+      if (sustained) sleep(1);  // the clock back up after the previous configuration's load
       const double us = GraphMicroseconds(st, 10, 5, call);
-      printf("  %-32s %8.1f us %6.0f TFLOP/s %6.0f GB/s of weights  mismatches %llu\n", v.name, us, flops / us / 1e6,
+      printf("  %-32s %8.1f us %6.0f TFLOP/s %6.0f GB/s of weights  mismatches %llu", v.name, us, flops / us / 1e6,
              weight_bytes / us / 1e3, bad);
+      if (sustained) {
+        GraphMicroseconds(st, 10, std::max(5, static_cast<int>(2e6 / (10 * us))), call);  // about 2 s of calls
+        const double hot = GraphMicroseconds(st, 10, 5, call);
+        printf("  sustained %8.1f us %6.0f TFLOP/s", hot, flops / hot / 1e6);
+      }
+      printf("\n");
     }
     cudaFree(a); cudaFree(b); cudaFree(sa); cudaFree(sb); cudaFree(out); cudaFree(ref); cudaFree(ws); cudaFree(doff);
     cudaFree(dbad);
