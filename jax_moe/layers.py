@@ -174,7 +174,8 @@ def _moved_to_parallel(op: str, mesh, axis_name) -> None:
 
 
 def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
-              expert_fn: ExpertFn | None = None, *, with_aux: bool = False, mesh=None, axis_name: str | None = None):
+              expert_fn: ExpertFn | None = None, *, with_aux: bool = False, residual: jax.Array | None = None,
+              mesh=None, axis_name: str | None = None):
     """One MoE layer: route, ``permute`` into the scratch, grouped experts, ``unpermute``.
 
     Args:
@@ -191,11 +192,14 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
         on a GPU with a bf16 config, ``swiglu_experts_grouped`` (the CUDA grouped GEMM,
         ``jax_moe.grouped_matmul``); otherwise ``swiglu_experts`` (``jax.lax.ragged_dot``).
       with_aux: also return the router's training signals.
+      residual: optional, of x's shape and dtype: y is then ``residual + y`` (a pre-norm block's
+        ``h + moe_layer(params, norm(h), ...)``), both adds in unpermute's launch on a GPU
+        (``ops.unpermute_add``: no pass over [T, H] of its own; the same bits as the adds apart).
 
     Returns:
       ``(y, scratch)``: y of x's shape and dtype, the router-weighted sum of each token's k expert
-      outputs (dropped routes of ``config.expert_map`` contribute 0) plus the shared expert's output,
-      and the scratch to pass on (state, not a differentiable output: its gradient is stopped). With
+      outputs (dropped routes of ``config.expert_map`` contribute 0) plus the shared expert's output
+      (plus ``residual``), and the scratch to pass on (state, not a differentiable output: its gradient is stopped). With
       ``with_aux``: ``(y, scratch, aux)``, aux = ``{"router_logits": [T, E] float32,
       "expert_counts": [E] int32}`` (routes per global expert) for ``jax_moe.routing``'s losses.
 
@@ -208,6 +212,10 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
     config = scratch.config
     check_layer_params("moe_layer", layer_params, config, stacked=False)
     tokens = _flat_tokens("moe_layer", x, config)
+    if residual is not None and (tuple(jnp.shape(residual)) != tuple(jnp.shape(x))
+                                 or jnp.dtype(residual.dtype) != jnp.dtype(x.dtype)):
+        raise ValueError(f"moe_layer: residual: expected x's shape and dtype, {jnp.dtype(x.dtype)}"
+                         f"{list(jnp.shape(x))}, got {jnp.dtype(residual.dtype)}{list(jnp.shape(residual))}")
     # The scratch is state, not a differentiable value: stopping its gradient on the way in and
     # out keeps it out of autodiff entirely (otherwise custom_vjp instantiates a zero [R_cap, H]
     # tangent for it and a scanned stack carries that tangent through every layer). It lowers to
@@ -226,9 +234,12 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
     else:
         scratch = permute(tokens, ids, scratch)
         rows_out, shared, scratch = run_experts_and_shared(expert_fn, layer_params, scratch, tokens)
-    y = unpermute(rows_out, weights, scratch)
-    if shared is not None:
-        y = y + shared
+    if residual is not None:
+        y = ops.unpermute_add(rows_out, weights, scratch, jnp.reshape(residual, tokens.shape), shared)
+    else:
+        y = unpermute(rows_out, weights, scratch)
+        if shared is not None:
+            y = y + shared
     y = jnp.reshape(y, jnp.shape(x))
     scratch = lax.stop_gradient(scratch)
     if not with_aux:
@@ -280,11 +291,21 @@ def moe_stack(params: dict, x: jax.Array, scratch: MoEScratch, *, unroll: int | 
     return (out, scratch, aux) if with_aux else (out, scratch)
 
 
+# The scanned stack passes each layer's input as moe_layer's residual: the add is in unpermute's
+# launch (ops.unpermute_add), the same bits. False: the add apart, as before (an A/B switch for the
+# benchmarks; read at trace time).
+RESIDUAL_IN_UNPERMUTE = True
+
+
 def _scan_layers(params, tokens, scratch, unroll, expert_fn, with_aux):
     """The stack as a ``lax.scan`` of ``moe_layer``, differentiated by JAX."""
     def body(carry, layer_params):
         h, s = carry
-        y, s, aux = moe_layer(layer_params, rms_norm(h), s, expert_fn, with_aux=True)
-        return (h + y, s), (aux if with_aux else None)
+        if RESIDUAL_IN_UNPERMUTE:  # the residual add rides the layer's unpermute launch
+            h, s, aux = moe_layer(layer_params, rms_norm(h), s, expert_fn, with_aux=True, residual=h)
+        else:
+            y, s, aux = moe_layer(layer_params, rms_norm(h), s, expert_fn, with_aux=True)
+            h = h + y
+        return (h, s), (aux if with_aux else None)
 
     return lax.scan(body, (tokens, scratch), params, unroll=unroll)

@@ -458,8 +458,8 @@ def unpermute_add(y: jax.Array, topk_weights: jax.Array, scratch: MoEScratch, re
     dtype. On a GPU one launch, the adds in unpermute's epilogue, each rounded to y's dtype as the
     elementwise adds round (bitwise XLA's: float32 holds more than twice a bf16's bits, so an add
     in float32 rounded to bf16 is the correctly rounded bf16 add), its result in the residual's
-    buffer; elsewhere those adds in XLA. For an inference forward (``moe_stack``'s at decode: one
-    launch fewer per layer); it has no autodiff rule, and the training forward keeps the adds apart.
+    buffer; elsewhere those adds in XLA. Differentiable: the residual and the addend get the
+    output's cotangent, y and the weights unpermute's (its native backward).
     """
     _validate.check_unpermute_args(y, topk_weights, scratch)
     want = (topk_weights.shape[0], y.shape[1])
@@ -467,6 +467,10 @@ def unpermute_add(y: jax.Array, topk_weights: jax.Array, scratch: MoEScratch, re
         if value is not None and (tuple(value.shape) != want or value.dtype != y.dtype):
             raise ValueError(f"unpermute_add: {name}: expected {jnp.dtype(y.dtype)}{list(want)} ([T, H], y's dtype), "
                              f"got {value.dtype}{list(value.shape)}")
+    return unpermute_add_by_dest(y, topk_weights, scratch.dest_index, residual, addend)
+
+
+def _unpermute_add_any(y, topk_weights, dest_index, residual, addend):
     has_addend = addend is not None
     addend_operand = addend if has_addend else jnp.zeros((1,), y.dtype)
 
@@ -482,7 +486,29 @@ def unpermute_add(y: jax.Array, topk_weights: jax.Array, scratch: MoEScratch, re
         return fence_results(call(y, topk_weights, dest_index, residual, addend_operand,
                                   has_addend=np.bool_(has_addend)))
 
-    operands = (y, topk_weights, scratch.dest_index, residual, addend_operand)
+    operands = (y, topk_weights, dest_index, residual, addend_operand)
     if not _native.HAS_CUDA:
         return xla(*operands)
     return lax.platform_dependent(*operands, cuda=native, default=xla)
+
+
+@jax.custom_vjp
+def unpermute_add_by_dest(y, topk_weights, dest_index, residual, addend):
+    """``unpermute_add`` from a ``dest_index`` [>= T, k] int32 array (no checks); addend may be None."""
+    return _unpermute_add_any(y, topk_weights, dest_index, residual, addend)
+
+
+def _unpermute_add_fwd(y, topk_weights, dest_index, residual, addend):
+    # The residuals of unpermute's own rule (the adds need none), and whether an addend came: ()
+    # if so, None if not (a pytree structure, not a value).
+    out = _unpermute_add_any(y, topk_weights, dest_index, residual, addend)
+    return out, (y, topk_weights, dest_index[:topk_weights.shape[0]], None if addend is None else ())
+
+
+def _unpermute_add_bwd(residuals, d_out):
+    y, topk_weights, dest, added = residuals
+    d_y, d_w = unpermute_grad(d_out, y, topk_weights, dest)
+    return d_y, d_w, None, d_out, None if added is None else d_out
+
+
+unpermute_add_by_dest.defvjp(_unpermute_add_fwd, _unpermute_add_bwd)

@@ -140,6 +140,70 @@ def test_stack_is_the_layers_in_sequence():
     np.testing.assert_allclose(y, h, rtol=1e-5, atol=1e-5)
 
 
+def _residual_case(dtype, num_tokens, hidden=H, ffn=F, fp8_experts=False, seed=0):
+    """One layer with a sigmoid-gated shared expert, its input x and a residual h (both [T, H])."""
+    config = MoEConfig(num_experts=E, top_k=K, hidden_size=hidden, max_tokens=max(T_MAX, num_tokens), dtype=dtype,
+                       align=2)
+    params = _layer0(init_moe_params(jax.random.key(seed), config, 1, ffn, shared_ffn_size=ffn, shared_gate=True))
+    if fp8_experts:
+        params = jax_moe.fp8.quantize_params(params)
+    h = jax.random.normal(jax.random.key(seed + 1), (num_tokens, hidden), jnp.float32).astype(dtype)
+    return config, params, layers.rms_norm(h), h
+
+
+def _residual_outputs_and_grads(config, params, x, h, **jit_options):
+    """moe_layer's ``residual=h`` and ``h + moe_layer(...)``: each output and its gradients with
+    respect to the params (the floating ones), x and h, for a sum-of-squares loss."""
+    floats = {k: v for k, v in params.items() if jnp.issubdtype(v.dtype, jnp.floating)
+              and not k.endswith(jax_moe.fp8.SCALE_SUFFIX) and v.dtype != jax_moe.fp8.FP8}
+    rest = {k: v for k, v in params.items() if k not in floats}
+
+    def fused(p, x, h):
+        return moe_layer({**p, **rest}, x, init_scratch(config), residual=h)[0]
+
+    def apart(p, x, h):
+        return h + moe_layer({**p, **rest}, x, init_scratch(config))[0]
+
+    results = []
+    for fn in (fused, apart):
+        loss = lambda p, x, h, fn=fn: jnp.sum(fn(p, x, h).astype(jnp.float32) ** 2)
+        results.append((jax.jit(fn, **jit_options)(floats, x, h),
+                        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(floats, x, h)))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_moe_layer_residual_is_the_add_bitwise_and_differentiable(dtype):
+    """residual=h gives h + y and its gradients, bit for bit, with a shared expert (the unpermute_add
+    path, its custom VJP); a residual of the wrong shape or dtype is a ValueError naming it."""
+    config, params, x, h = _residual_case(dtype, 11)
+    (y_fused, g_fused), (y_apart, g_apart) = _residual_outputs_and_grads(config, params, x, h)
+    np.testing.assert_array_equal(np.asarray(y_fused, np.float32), np.asarray(y_apart, np.float32))
+    for got, want in zip(jax.tree.leaves(g_fused), jax.tree.leaves(g_apart)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert float(jnp.abs(g_fused[2].astype(jnp.float32)).sum()) > 0  # h's gradient flows
+    with pytest.raises(ValueError, match=r"moe_layer: residual: expected x's shape and dtype"):
+        moe_layer(params, x, init_scratch(config), residual=h[:5])
+    with pytest.raises(ValueError, match=r"moe_layer: residual: .*got float16"):
+        moe_layer(params, x, init_scratch(config), residual=h.astype(jnp.float16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,fp8_experts", [(1, False), (11, False), (600, True), (3, True)])
+def test_gpu_moe_layer_residual_rides_unpermute(num_tokens, fp8_experts):
+    """On the GPU the residual add is in unpermute's launch (jax_moe_unpermute_add), with the same
+    bits and gradients as the add apart: bf16 experts at decode and prefill sizes, FP8 experts on
+    the permute-quantised prefill path (T*k > 1024) and at decode."""
+    config, params, x, h = _residual_case(jnp.bfloat16, num_tokens, hidden=256, ffn=128, fp8_experts=fp8_experts)
+    (y_fused, g_fused), (y_apart, g_apart) = _residual_outputs_and_grads(config, params, x, h)
+    np.testing.assert_array_equal(np.asarray(y_fused, np.float32), np.asarray(y_apart, np.float32))
+    for got, want in zip(jax.tree.leaves(g_fused), jax.tree.leaves(g_apart)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    hlo = jax.jit(lambda p, x, h: moe_layer(p, x, init_scratch(config), residual=h)[0]).lower(
+        params, x, h).compile().as_text()
+    assert 'custom_call_target="jax_moe_unpermute_add"' in hlo
+
+
 def test_expert_fn_is_pluggable():
     config = _config(jnp.float32, align=2)
     params, x = _inputs(config, 9)
