@@ -399,6 +399,23 @@ ffi::Error DecodeMatmulSharedImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi:
   return CudaStatus(LaunchDecodeGemm(args, stream), "jax_moe decode_matmul_shared");
 }
 
+// The experts' choice (route_kernels.h): choice [T, E] float32 -> topk_ids [T, k] int32.
+ffi::Error ChooseExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> choice, ffi::Result<ffi::Buffer<ffi::S32>> topk_ids,
+                             int64_t n_group, int64_t topk_group) {
+  const auto cd = choice.dimensions();
+  const auto id = topk_ids->dimensions();
+  if (cd.size() != 2 || id.size() != 2 || cd[0] != id[0] ||
+      !ChooseExpertsFits(cd[1], id[1], n_group, topk_group))
+    return InvalidArgument("choose_experts: expected choice [T, E] and ids [T, k] within ChooseExpertsFits "
+                           "(route_kernels.h)");
+  ChooseExpertsArgs args;
+  args.choice = choice.typed_data();
+  args.topk_ids = topk_ids->typed_data();
+  args.num_tokens = cd[0], args.num_experts = cd[1], args.top_k = id[1];
+  args.n_group = n_group, args.topk_group = topk_group;
+  return CudaStatus(LaunchChooseExperts(args, stream), "choose_experts");
+}
+
 // The decode router (route_kernels.h): x [T, H] and router [H, E] bf16, bias [E] float32 (or [1]
 // without one); workspace: the scratch's, whose last word is the kernel's arrival counter.
 ffi::Error DecodeRouteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer router, ffi::Buffer<ffi::F32> bias,
@@ -859,6 +876,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeMatmulSharedCuda, jax_moe::DecodeMatmu
                                   .Ret<ffi::AnyBuffer>()               // shared_out, bf16
                                   .Attr<bool>("gated")                 // silu(gate) * up epilogue
                                   .Attr<int64_t>("rows_per_pass"),     // 1, 2, 4 or 8
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeChooseExpertsCuda, jax_moe::ChooseExpertsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // choice [T, E]
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // topk_ids [T, k]
+                                  .Attr<int64_t>("n_group")
+                                  .Attr<int64_t>("topk_group"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeRouteCuda, jax_moe::DecodeRouteImpl,

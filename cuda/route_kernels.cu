@@ -347,4 +347,111 @@ cudaError_t LaunchDecodeRoute(const DecodeRouteArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+namespace {
+
+constexpr int kChooseWarps = 8;  // tokens a block of the choice kernel takes
+
+// Token t's k best choices (one warp per token; lane l holds experts l, l + 32, ... of the row).
+// The group limit, then k rounds of a warp arg-max: greater first, ties to the lower index, the
+// comparisons of the decode router's Route (and so lax.top_k's ids on the same choices).
+template <int kPerLane>
+__global__ void __launch_bounds__(kChooseWarps * 32) ChooseExpertsKernel(ChooseExpertsArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kChooseWarps + (threadIdx.x >> 5);
+  if (t >= a.num_tokens) return;
+  const int num_experts = static_cast<int>(a.num_experts), top_k = static_cast<int>(a.top_k);
+  const float* row = a.choice + t * num_experts;
+  float value[kPerLane];
+  unsigned taken = 0;  // bit i: value[i] is chosen already, or holds no expert
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = i * 32 + lane;
+    value[i] = e < num_experts ? row[e] : -INFINITY;
+    if (e >= num_experts) taken |= 1u << i;
+  }
+  if (a.n_group > 1) {
+    const int n_group = static_cast<int>(a.n_group), group_size = num_experts / n_group;
+    // Each group's two best choices (a duplicate best counts twice, as a sequential scan gives),
+    // summed: lane g keeps group g's score.
+    float my_group_score = -INFINITY;
+    for (int g = 0; g < n_group; ++g) {
+      float first = -INFINITY, second = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int e = i * 32 + lane;
+        if (e >= g * group_size && e < (g + 1) * group_size && e < num_experts) {
+          const float v = value[i];
+          if (v > first) {
+            second = first;
+            first = v;
+          } else if (v > second) {
+            second = v;
+          }
+        }
+      }
+      for (int d = 16; d > 0; d >>= 1) {
+        const float other_first = __shfl_xor_sync(~0u, first, d), other_second = __shfl_xor_sync(~0u, second, d);
+        const float low = fminf(first, other_first);
+        first = fmaxf(first, other_first);
+        second = fmaxf(low, fmaxf(second, other_second));
+      }
+      if (lane == g) my_group_score = __fadd_rn(first, second);
+    }
+    // Group g is eligible when fewer than topk_group groups beat it (greater, or equal and lower).
+    int rank = 0;
+    for (int h = 0; h < n_group; ++h) {
+      const float u = __shfl_sync(~0u, my_group_score, h);
+      rank += (u > my_group_score) || (u == my_group_score && h < lane);
+    }
+    const unsigned eligible = __ballot_sync(~0u, lane < n_group && rank < a.topk_group);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = i * 32 + lane;
+      if (e < num_experts && !(eligible >> (e / group_size) & 1)) value[i] = -INFINITY;
+    }
+  }
+  int chosen = 0;
+  for (int j = 0; j < top_k; ++j) {
+    float best = -INFINITY;
+    int index = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      if (!(taken >> i & 1) && (index == INT_MAX || value[i] > best)) best = value[i], index = i * 32 + lane;
+    for (int d = 16; d > 0; d >>= 1) {
+      const float other = __shfl_xor_sync(~0u, best, d);
+      const int other_index = __shfl_xor_sync(~0u, index, d);
+      if (other_index != INT_MAX && (index == INT_MAX || other > best || (other == best && other_index < index)))
+        best = other, index = other_index;
+    }
+    if ((index & 31) == lane) taken |= 1u << (index >> 5);
+    if (lane == j) chosen = index;
+  }
+  if (lane < top_k) a.topk_ids[t * top_k + lane] = chosen;
+}
+
+}  // namespace
+
+bool ChooseExpertsFits(int64_t num_experts, int64_t top_k, int64_t n_group, int64_t topk_group) {
+  return num_experts >= 1 && num_experts <= 1024 && top_k >= 1 && top_k <= std::min<int64_t>(num_experts, 32) &&
+         n_group >= 1 && n_group <= 32 && num_experts % n_group == 0 && topk_group >= 1 && topk_group <= n_group;
+}
+
+cudaError_t LaunchChooseExperts(const ChooseExpertsArgs& a, cudaStream_t stream) {
+  if (!ChooseExpertsFits(a.num_experts, a.top_k, a.n_group, a.topk_group) || a.num_tokens < 0)
+    return cudaErrorInvalidValue;
+  if (a.num_tokens == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>((a.num_tokens + kChooseWarps - 1) / kChooseWarps);
+  const int per_lane = static_cast<int>((a.num_experts + 31) / 32);
+  if (per_lane <= 4) {
+    ChooseExpertsKernel<4><<<blocks, kChooseWarps * 32, 0, stream>>>(a);
+  } else if (per_lane <= 8) {
+    ChooseExpertsKernel<8><<<blocks, kChooseWarps * 32, 0, stream>>>(a);
+  } else if (per_lane <= 16) {
+    ChooseExpertsKernel<16><<<blocks, kChooseWarps * 32, 0, stream>>>(a);
+  } else {
+    ChooseExpertsKernel<32><<<blocks, kChooseWarps * 32, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace jax_moe

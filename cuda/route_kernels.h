@@ -44,6 +44,21 @@ bool DecodeRouteFits(int64_t num_tokens, int64_t hidden, int64_t num_experts, in
                      int64_t topk_group);
 cudaError_t LaunchDecodeRoute(const DecodeRouteArgs& args, cudaStream_t stream);
 
+// The experts' choice at any T (route_logits' top k, for the tokens that do not take the decode
+// router): from choice [T, E] float32 (the scores plus the bias), the k best experts of each token,
+// ties to the lower index, within the topk_group best of n_group groups (scored by the sum of their
+// two best choices) when n_group > 1; the ids lax.top_k gives for route_logits. One warp per token,
+// its choices in registers: XLA's sort-based top-k took 15 us (Qwen3-30B) to 80 us (DeepSeek-V3's
+// two group sorts and the final one) per layer at T = 4096 on the H200.
+struct ChooseExpertsArgs {
+  const float* choice;  // [T, E]
+  int32_t* topk_ids;    // [T, k] out, best first
+  int64_t num_tokens, num_experts, top_k, n_group = 1, topk_group = 1;
+};
+// 1 <= k <= min(E, 32), 1 <= E <= 1024, groups dividing E, 1 <= topk_group <= n_group <= 32.
+bool ChooseExpertsFits(int64_t num_experts, int64_t top_k, int64_t n_group, int64_t topk_group);
+cudaError_t LaunchChooseExperts(const ChooseExpertsArgs& args, cudaStream_t stream);
+
 }  // namespace jax_moe
 
 #endif  // JAX_MOE_ROUTE_KERNELS_H_

@@ -17,10 +17,14 @@ Mixtral/Qwen form), ``router_z_loss``, and DeepSeek-V3's auxiliary-loss-free bia
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jax_moe import _native
 from jax_moe.config import MoEConfig
 
 
@@ -78,6 +82,37 @@ def route_logits(logits: jax.Array, config: MoEConfig, bias: jax.Array | None = 
     _check_route_args(logits, config, bias)
     scores = scores_from_logits(logits, config)
     choice = scores if bias is None else scores + lax.stop_gradient(bias).astype(jnp.float32)
+    ids = choose_experts(lax.stop_gradient(choice), config)
+    return chosen_weights(scores, ids, config), ids
+
+
+# The CUDA choice kernel's limits (cuda/route_kernels.h, ChooseExpertsFits).
+CHOOSE_MAX_EXPERTS, CHOOSE_MAX_TOP_K, CHOOSE_MAX_GROUPS = 1024, 32, 32
+
+
+def choose_experts(choice: jax.Array, config: MoEConfig) -> jax.Array:
+    """[T, k] int32 ids of each token's ``config.top_k`` best choices [T, E] float32, best first, ties
+    to the lower index; with ``n_group > 1`` only within the ``topk_group`` groups whose two best
+    choices sum highest. ``lax.top_k``'s ids; on a GPU one kernel (``jax_moe_choose_experts``, one
+    warp per token) instead of XLA's sorts, where the sizes fit it."""
+    num_tokens, num_experts = choice.shape
+
+    def native(choice):
+        call = jax.ffi.ffi_call(_native.CHOOSE_EXPERTS_TARGET,
+                                jax.ShapeDtypeStruct((num_tokens, config.top_k), jnp.int32), vmap_method="sequential")
+        return call(choice, n_group=np.int64(config.n_group), topk_group=np.int64(config.topk_group))
+
+    fits = (num_experts <= CHOOSE_MAX_EXPERTS and config.top_k <= min(num_experts, CHOOSE_MAX_TOP_K)
+            and config.n_group <= CHOOSE_MAX_GROUPS and num_tokens >= 1)
+    choice = choice.astype(jnp.float32)
+    xla = functools.partial(choose_experts_xla, config=config)
+    if not (_native.HAS_CUDA and fits):
+        return xla(choice)
+    return lax.platform_dependent(choice, cuda=native, default=xla)
+
+
+def choose_experts_xla(choice: jax.Array, config: MoEConfig) -> jax.Array:
+    """``choose_experts`` by ``lax.top_k`` (XLA's sorts on a GPU): the CPU path and the GPU kernel's oracle."""
     if config.n_group > 1:
         num_tokens = choice.shape[0]
         grouped = choice.reshape(num_tokens, config.n_group, -1)
@@ -85,8 +120,7 @@ def route_logits(logits: jax.Array, config: MoEConfig, bias: jax.Array | None = 
         _, best_groups = lax.top_k(group_scores, config.topk_group)
         eligible = jnp.any(best_groups[:, :, None] == jnp.arange(config.n_group), axis=1)  # [T, n_group]
         choice = jnp.where(eligible[:, :, None], grouped, -jnp.inf).reshape(num_tokens, -1)
-    _, ids = lax.top_k(lax.stop_gradient(choice), config.top_k)
-    return chosen_weights(scores, ids, config), ids.astype(jnp.int32)
+    return lax.top_k(choice, config.top_k)[1].astype(jnp.int32)
 
 
 def chosen_weights(scores: jax.Array, ids: jax.Array, config: MoEConfig) -> jax.Array:

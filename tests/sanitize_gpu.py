@@ -1,7 +1,8 @@
 """A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths (and
 the ranking of few routes, and FP8 experts' quantising permute), padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward and its adds; the grouped
 GEMM forward and its input- and weight-gradient kernels (also written into a slice of a stack); the
-SwiGLU backward's elementwise kernel (also reading from a stack); the backward's row gather; the decode kernel; the FP8 grouped GEMM (both row tiles); the decode router; with
+SwiGLU backward's elementwise kernel (also reading from a stack); the backward's row gather; the decode kernel; the FP8 grouped GEMM (both row tiles); the decode router; the experts'
+choice kernel; with
 --stack, the training stack's gradients. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
@@ -222,6 +223,16 @@ for num_tokens, experts, hidden_size, extra in ((1, 128, 2048, {}), (12, 256, 71
     print("decode route T", num_tokens, "E", experts, "ids in range", bool(((np.asarray(ids) >= 0)
           & (np.asarray(ids) < experts)).all()), "weights finite", bool(np.isfinite(np.asarray(weights)).all()),
           "counter zero", int(scratch.workspace[-1]) == 0)
+
+# The experts' choice kernel (routing.choose_experts): E not a multiple of 32 with groups, the
+# widest E and k, T not a multiple of the block's 8 tokens.
+for num_tokens, experts, top_k, n_group, topk_group in ((13, 60, 4, 3, 2), (9, 1024, 32, 32, 7), (4096, 256, 8, 8, 4)):
+    config = jax_moe.MoEConfig(num_experts=experts, top_k=top_k, hidden_size=16, max_tokens=num_tokens,
+                               n_group=n_group, topk_group=topk_group, scoring="sigmoid")
+    choice = np.random.default_rng(3).random((num_tokens, experts), np.float32)
+    ids = np.asarray(jax.jit(lambda c, config=config: jax_moe.routing.choose_experts(c, config))(choice))
+    print("choose experts T", num_tokens, "E", experts, "ids in range", bool(((ids >= 0) & (ids < experts)).all()),
+          "distinct", all(len(set(row)) == top_k for row in ids))
 
 # The training stack on the grouped GEMMs (jax_moe.stack), with --stack: compute-sanitizer's
 # racecheck itself crashed (segmentation fault) while XLA compiled this step on the H200, after

@@ -380,3 +380,45 @@ def test_gpu_decode_stack_uses_the_decode_router_and_training_does_not(routing_n
     assert int(aux["expert_counts"].sum()) == 2 * num_tokens * 6
     grad = jax.jit(jax.grad(lambda p, x, s: jnp.sum(moe_stack(p, x, s)[0].astype(F32))))
     assert "jax_moe_decode_route" not in grad.lower(params, x, init_scratch(config)).compile().as_text()
+
+
+# (E, k, n_group, topk_group): Mixtral, Qwen3-30B, DeepSeek-V3, Qwen3.5-397B, an E that is not a
+# multiple of 32, the kernel's largest E and k, and a group limit leaving exactly k eligible experts.
+CHOICE_CASES = {"mixtral": (8, 2, 1, 1), "qwen3": (128, 8, 1, 1), "deepseek": (256, 8, 8, 4),
+                "qwen35": (512, 10, 1, 1), "odd": (60, 4, 3, 2), "widest": (1024, 32, 32, 7),
+                "k_eligible": (64, 8, 8, 1)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CHOICE_CASES))
+@pytest.mark.parametrize("num_tokens", [1, 13, 4096])
+def test_gpu_choose_experts_is_lax_top_k(case, num_tokens):
+    """The choice kernel's ids equal lax.top_k's (XLA's sorts on the same GPU) bit for bit, on
+    continuous choices and on choices of few distinct values (ties everywhere), and a routed
+    program at prefill size runs the kernel, not a sort."""
+    num_experts, top_k, n_group, topk_group = CHOICE_CASES[case]
+    config = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=16, max_tokens=num_tokens,
+                       n_group=n_group, topk_group=topk_group, scoring="sigmoid" if n_group > 1 else "softmax")
+    key = jax.random.key(num_experts + num_tokens)
+    smooth = jax.random.uniform(key, (num_tokens, num_experts), F32)
+    ties = jnp.round(smooth * 4) / 4  # five values: many equal choices and group scores
+    for choice in (smooth, ties):
+        got = jax.jit(lambda c: routing.choose_experts(c, config))(choice)
+        want = jax.jit(lambda c: routing.choose_experts_xla(c, config))(choice)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert got.dtype == jnp.int32 and got.shape == (num_tokens, top_k)
+    hlo = jax.jit(lambda c: routing.choose_experts(c, config)).lower(smooth).compile().as_text()
+    assert 'custom_call_target="jax_moe_choose_experts"' in hlo and " sort(" not in hlo
+
+
+def test_choose_experts_off_the_gpu_is_lax_top_k():
+    """Off a GPU (and where the kernel does not fit) the choice is choose_experts_xla: lax.top_k."""
+    config = MoEConfig(num_experts=64, top_k=6, hidden_size=16, max_tokens=9, n_group=8, topk_group=2,
+                       scoring="sigmoid")
+    choice = jnp.round(jax.random.uniform(jax.random.key(3), (9, 64), F32) * 3) / 3
+    got = routing.choose_experts(choice, config)
+    want = routing.choose_experts_xla(choice, config)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # lax.top_k's order: best first, ties to the lower index, only the two best groups' experts.
+    groups = np.asarray(got) // 8
+    assert all(len(set(row)) <= 2 for row in groups)
