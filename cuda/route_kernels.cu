@@ -46,6 +46,31 @@ __device__ __forceinline__ float WarpMax(float v) {
   return v;
 }
 
+// A warp's k best choices in k rounds of a warp arg-max: greater first, ties to the lower index
+// (lax.top_k's order). Lane l holds experts l, l + 32, ... in value; bit i of taken marks value[i]
+// as holding no expert. Lane j < k gets the j-th choice.
+template <int kPerLane>
+__device__ __forceinline__ int WarpTopK(const float (&value)[kPerLane], unsigned taken, int top_k) {
+  const int lane = threadIdx.x & 31;
+  int chosen = 0;
+  for (int j = 0; j < top_k; ++j) {
+    float best = -INFINITY;
+    int index = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      if (!(taken >> i & 1) && (index == INT_MAX || value[i] > best)) best = value[i], index = i * 32 + lane;
+    for (int d = 16; d > 0; d >>= 1) {
+      const float other = __shfl_xor_sync(~0u, best, d);
+      const int other_index = __shfl_xor_sync(~0u, index, d);
+      if (other_index != INT_MAX && (index == INT_MAX || other > best || (other == best && other_index < index)))
+        best = other, index = other_index;
+    }
+    if ((index & 31) == lane) taken |= 1u << (index >> 5);
+    if (lane == j) chosen = index;
+  }
+  return chosen;
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
   for (int d = 16; d > 0; d >>= 1) v = __fadd_rn(v, __shfl_xor_sync(~0u, v, d));
   return v;
@@ -171,26 +196,11 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
       const int e = i * 32 + lane;
       value[i] = e < num_experts ? row[e] : -INFINITY;
     }
-    unsigned taken = 0;  // bit i: value[i] is chosen already, or holds no expert
+    unsigned taken = 0;  // bit i: value[i] holds no expert
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i)
       if (i * 32 + lane >= num_experts) taken |= 1u << i;
-    int chosen = 0;
-    for (int j = 0; j < top_k; ++j) {
-      float best = -INFINITY;
-      int index = INT_MAX;
-#pragma unroll
-      for (int i = 0; i < kMaxPerLane; ++i)
-        if (!(taken >> i & 1) && (index == INT_MAX || value[i] > best)) best = value[i], index = i * 32 + lane;
-      for (int d = 16; d > 0; d >>= 1) {
-        const float other = __shfl_xor_sync(~0u, best, d);
-        const int other_index = __shfl_xor_sync(~0u, index, d);
-        if (other_index != INT_MAX && (index == INT_MAX || other > best || (other == best && other_index < index)))
-          best = other, index = other_index;
-      }
-      if ((index & 31) == lane) taken |= 1u << (index >> 5);
-      if (lane == j) chosen = index;
-    }
+    const int chosen = WarpTopK(value, taken, top_k);
     if (lane < top_k) {
       float weight = scores[t * num_experts + chosen];
       s.route.chosen_score[t][lane] = weight;
@@ -362,7 +372,7 @@ __global__ void __launch_bounds__(kChooseWarps * 32) ChooseExpertsKernel(ChooseE
   const int num_experts = static_cast<int>(a.num_experts), top_k = static_cast<int>(a.top_k);
   const float* row = a.choice + t * num_experts;
   float value[kPerLane];
-  unsigned taken = 0;  // bit i: value[i] is chosen already, or holds no expert
+  unsigned taken = 0;  // bit i: value[i] holds no expert
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int e = i * 32 + lane;
@@ -410,22 +420,7 @@ __global__ void __launch_bounds__(kChooseWarps * 32) ChooseExpertsKernel(ChooseE
       if (e < num_experts && !(eligible >> (e / group_size) & 1)) value[i] = -INFINITY;
     }
   }
-  int chosen = 0;
-  for (int j = 0; j < top_k; ++j) {
-    float best = -INFINITY;
-    int index = INT_MAX;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i)
-      if (!(taken >> i & 1) && (index == INT_MAX || value[i] > best)) best = value[i], index = i * 32 + lane;
-    for (int d = 16; d > 0; d >>= 1) {
-      const float other = __shfl_xor_sync(~0u, best, d);
-      const int other_index = __shfl_xor_sync(~0u, index, d);
-      if (other_index != INT_MAX && (index == INT_MAX || other > best || (other == best && other_index < index)))
-        best = other, index = other_index;
-    }
-    if ((index & 31) == lane) taken |= 1u << (index >> 5);
-    if (lane == j) chosen = index;
-  }
+  const int chosen = WarpTopK(value, taken, top_k);
   if (lane < top_k) a.topk_ids[t * top_k + lane] = chosen;
 }
 
