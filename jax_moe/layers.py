@@ -199,7 +199,8 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
     Returns:
       ``(y, scratch)``: y of x's shape and dtype, the router-weighted sum of each token's k expert
       outputs (dropped routes of ``config.expert_map`` contribute 0) plus the shared expert's output
-      (plus ``residual``), and the scratch to pass on (state, not a differentiable output: its gradient is stopped). With
+      (plus ``residual``), and the scratch to pass on (state, not a differentiable output: its
+      gradient is stopped). With
       ``with_aux``: ``(y, scratch, aux)``, aux = ``{"router_logits": [T, E] float32,
       "expert_counts": [E] int32}`` (routes per global expert) for ``jax_moe.routing``'s losses.
 

@@ -1,9 +1,9 @@
 """A representative CUDA run for compute-sanitizer (memcheck, racecheck): both permute paths (and
 the ranking of few routes, and FP8 experts' quantising permute), padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward and its adds; the grouped
 GEMM forward and its input- and weight-gradient kernels (also written into a slice of a stack); the
-SwiGLU backward's elementwise kernel (also reading from a stack); the backward's row gather; the decode kernel; the FP8 grouped GEMM (both row tiles); the decode router; the experts'
-choice kernel; with
---stack, the training stack's gradients. Prints one line per case.
+SwiGLU backward's elementwise kernel (also reading from a stack); the backward's row gather; the
+decode kernel; the FP8 grouped GEMM (both row tiles); the decode router; the experts' choice
+kernel; with --stack, the training stack's gradients. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
 """

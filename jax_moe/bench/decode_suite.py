@@ -1,7 +1,8 @@
 """Suite `decode`: the whole scanned MoE stack against its roofline, at decode sizes and at prefill.
 
-Per model and T (by default 1 to 64 tokens; ``--tokens 4096`` for prefill): one jitted step of ``moe_stack`` over L layers (rolled scan,
-scratch donated and threaded step to step, routing by each layer's own router), µs per layer, for
+Per model and T (by default 1 to 64 tokens; ``--tokens 4096`` for prefill): one jitted step of
+``moe_stack`` over L layers (rolled scan, scratch donated and threaded step to step, routing by each
+layer's own router), µs per layer, for
 - ``jax_moe``: the kernels ``gemm.pick_tile`` chooses (the decode kernel at few rows per expert);
 - ``jax_moe/cutlass``: the same step with the decode kernel switched off (CUTLASS grouped GEMMs:
   the path before it), so the crossover is measured in the same run;
@@ -229,7 +230,8 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
             rides = experts.fp8_shared_rides_decode(layer, x, config.live_row_bound(tokens), config.num_local_experts)
             on_decode_kernel = gemm.fp8_decode_rows(config.live_row_bound(tokens), config.num_local_experts,
                                                     model.hidden_size, model.ffn_size) > 0
-            for variant in (FP8_VARIANTS if on_decode_kernel else FP8_VARIANTS[:1]) + ((FP8_SHARED_APART,) if rides else ()):
+            variants = (FP8_VARIANTS if on_decode_kernel else FP8_VARIANTS[:1]) + ((FP8_SHARED_APART,) if rides else ())
+            for variant in variants:
                 rows.append(row := {**bases[tokens], "impl": variant, "bytes_per_layer": bytes_read,
                                     **roofline_fields(bytes_read, bases[tokens]["flops_per_layer"], copy_gbs,
                                                       FP8_DENSE_TFLOPS)})
@@ -347,7 +349,8 @@ def table(rows: list[dict]) -> str:
     return md_table(["model", "T", "experts read", "roofline µs", "bound", "kernel", "jax_moe µs", "% roofline",
                      "CUTLASS path µs", "% roofline", "shared expert apart µs", "% roofline",
                      "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
-                     "FP8 roofline µs", "FP8 bound", "FP8 µs", "% FP8 roofline", "FP8 CUTLASS path µs", "% FP8 roofline",
+                     "FP8 roofline µs", "FP8 bound", "FP8 µs", "% FP8 roofline", "FP8 CUTLASS path µs",
+                     "% FP8 roofline",
                      "FP8 shared apart µs", "% FP8 roofline", "FP8 vs bf16"], lines)
 
 
