@@ -202,11 +202,11 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
         bytes_read = layer_bytes(model, params, active)
         tile = gemm.pick_tile(config.live_row_bound(tokens), config.num_local_experts,
                               config.group_row_bound(tokens))
+        flops = layer_flops(model, tokens)
         base = bases[tokens] = {
             "model": model.name, "label": model.label, "T": tokens, "scratch_tokens": config.max_tokens,
-            "layers": layers, "active_experts": active, "bytes_per_layer": bytes_read,
-            "flops_per_layer": layer_flops(model, tokens),
-            **roofline_fields(bytes_read, layer_flops(model, tokens), copy_gbs, DENSE_TFLOPS),
+            "layers": layers, "active_experts": active, "bytes_per_layer": bytes_read, "flops_per_layer": flops,
+            **roofline_fields(bytes_read, flops, copy_gbs, DENSE_TFLOPS),
             "tile": gemm.TILE_NAMES[tile]}
         layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)  # (no copy of a layer)
         fused = experts.shared_rides_decode(layer, x, tile)
