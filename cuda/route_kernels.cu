@@ -76,6 +76,17 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
+// One step of a group's scan for its two best choices: a duplicate best counts twice, as
+// DeepSeek-V3's sort of the group does.
+__device__ __forceinline__ void KeepTwoBest(float v, float& first, float& second) {
+  if (v > first) {
+    second = first;
+    first = v;
+  } else if (v > second) {
+    second = v;
+  }
+}
+
 // Shared memory of the block: the reduction's per-warp parts while reducing, then the routing's
 // arrays in the last block.
 struct RouteShared {
@@ -157,15 +168,7 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
       const int t = i / n_group, g = i % n_group;
       const float* members = choice + t * num_experts + g * group_size;
       float first = -INFINITY, second = -INFINITY;
-      for (int m = 0; m < group_size; ++m) {
-        const float v = members[m];
-        if (v > first) {
-          second = first;
-          first = v;
-        } else if (v > second) {
-          second = v;
-        }
-      }
+      for (int m = 0; m < group_size; ++m) KeepTwoBest(members[m], first, second);
       s.route.group_score[t][g] = __fadd_rn(first, second);
     }
     __syncthreads();
@@ -389,15 +392,7 @@ __global__ void __launch_bounds__(kChooseWarps * 32) ChooseExpertsKernel(ChooseE
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
         const int e = i * 32 + lane;
-        if (e >= g * group_size && e < (g + 1) * group_size && e < num_experts) {
-          const float v = value[i];
-          if (v > first) {
-            second = first;
-            first = v;
-          } else if (v > second) {
-            second = v;
-          }
-        }
+        if (e >= g * group_size && e < (g + 1) * group_size && e < num_experts) KeepTwoBest(value[i], first, second);
       }
       for (int d = 16; d > 0; d >>= 1) {
         const float other_first = __shfl_xor_sync(~0u, first, d), other_second = __shfl_xor_sync(~0u, second, d);
