@@ -47,11 +47,15 @@ __device__ __forceinline__ float WarpMax(float v) {
 }
 
 // A warp's k best choices in k rounds of a warp arg-max: greater first, ties to the lower index
-// (lax.top_k's order). Lane l holds experts l, l + 32, ... in value; bit i of taken marks value[i]
-// as holding no expert. Lane j < k gets the j-th choice.
+// (lax.top_k's order). Lane l holds experts l, l + 32, ... in value (slots past num_experts hold
+// none). Lane j < k gets the j-th choice.
 template <int kPerLane>
-__device__ __forceinline__ int WarpTopK(const float (&value)[kPerLane], unsigned taken, int top_k) {
+__device__ __forceinline__ int WarpTopK(const float (&value)[kPerLane], int num_experts, int top_k) {
   const int lane = threadIdx.x & 31;
+  unsigned taken = 0;  // bit i: value[i] holds no expert, or one already chosen
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+    if (i * 32 + lane >= num_experts) taken |= 1u << i;
   int chosen = 0;
   for (int j = 0; j < top_k; ++j) {
     float best = -INFINITY;
@@ -199,11 +203,7 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
       const int e = i * 32 + lane;
       value[i] = e < num_experts ? row[e] : -INFINITY;
     }
-    unsigned taken = 0;  // bit i: value[i] holds no expert
-#pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i)
-      if (i * 32 + lane >= num_experts) taken |= 1u << i;
-    const int chosen = WarpTopK(value, taken, top_k);
+    const int chosen = WarpTopK(value, num_experts, top_k);
     if (lane < top_k) {
       float weight = scores[t * num_experts + chosen];
       s.route.chosen_score[t][lane] = weight;
@@ -375,12 +375,10 @@ __global__ void __launch_bounds__(kChooseWarps * 32) ChooseExpertsKernel(ChooseE
   const int num_experts = static_cast<int>(a.num_experts), top_k = static_cast<int>(a.top_k);
   const float* row = a.choice + t * num_experts;
   float value[kPerLane];
-  unsigned taken = 0;  // bit i: value[i] holds no expert
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int e = i * 32 + lane;
     value[i] = e < num_experts ? row[e] : -INFINITY;
-    if (e >= num_experts) taken |= 1u << i;
   }
   if (a.n_group > 1) {
     const int n_group = static_cast<int>(a.n_group), group_size = num_experts / n_group;
@@ -415,7 +413,7 @@ __global__ void __launch_bounds__(kChooseWarps * 32) ChooseExpertsKernel(ChooseE
       if (e < num_experts && !(eligible >> (e / group_size) & 1)) value[i] = -INFINITY;
     }
   }
-  const int chosen = WarpTopK(value, taken, top_k);
+  const int chosen = WarpTopK(value, num_experts, top_k);
   if (lane < top_k) a.topk_ids[t * top_k + lane] = chosen;
 }
 
