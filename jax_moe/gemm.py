@@ -486,7 +486,12 @@ def fp8_workspace(num_groups: int) -> jax.Array:
     return uninitialized((max(1, -(-_native.fp8_grouped_matmul_workspace_bytes(num_groups) // 4)),), jnp.int32)
 
 
-FP8_TILE_ROWS = (64, 128)  # the FP8 GEMM's CUTLASS row tiles: ping-pong 64, cooperative 128
+# The FP8 GEMM's CUTLASS row tiles (cuda/grouped_gemm_fp8.h, IsFp8Tile): 64 (ping-pong) and 128
+# (cooperative) with the rows as CUTLASS's A; FP8_WEIGHTS_AS_A | 64 and | 128, swap-AB: the weights
+# as A, 128 of their rows a tile, and a token tile of 64 or 128 rows. A group's rows pad to the token
+# tile, not to wgmma's 64-row M granularity.
+FP8_WEIGHTS_AS_A = 1 << 16
+FP8_TILE_ROWS = (64, 128, FP8_WEIGHTS_AS_A | 64, FP8_WEIGHTS_AS_A | 128)
 FP8_SMALL_TILE_MAX_ROWS_PER_GROUP = 32  # measured: notebooks/results/bench_gemm_fp8_tiles_h200.json
 
 
@@ -790,7 +795,8 @@ def fp8_forward(rows, weights_nk, scale_nk, offsets, workspace, num_rows: int, t
         operands K-major); scale_nk: [El, N/128, K/128] float32 (DeepSeek-V3's weight_scale_inv).
       offsets: [El + 1] int32 expert offsets; workspace: ``fp8_workspace(El)``, threaded through.
       num_rows: static row count of the result (the live-row bound).
-      tile_rows: 64 or 128, the CUTLASS row tile (default ``fp8_tile_rows``; the math is the same).
+      tile_rows: one of ``FP8_TILE_ROWS``, the CUTLASS tile (default ``fp8_tile_rows``; the math is
+        the same, each output one float32 sum of the same scaled products).
 
     Returns ``(out, workspace)``. Off CUDA (or for shapes it does not take: K or N not a multiple of
     128, rows not bf16) ``fp8_dequantized_matmul``. No autodiff rule (``experts`` gives the layer's).
