@@ -109,7 +109,8 @@ int main(int argc, char** argv) {
       {"pingpong64 1x2 (library)", Run<Pingpong<64, Cluster1x2>>, RasterOrder::AlongM, 1, false},
       {"pingpong64 1x4", Run<Pingpong<64, Cluster1x4>>, RasterOrder::AlongM, 1, false},
       {"pingpong64 1x1", Run<Pingpong<64, Cluster1x1>>, RasterOrder::AlongM, 1, false},
-      // Swap-AB: 128 weight rows by a token tile; AlongN keeps one weight block's token tiles together.
+      // Swap-AB: 128 weight rows by a token tile; AlongN keeps one weight block's token tiles together;
+      // a 2 x 1 cluster shares the token tile's loads between two weight tiles.
       {"swap coop 128x64 1x1 N-first", Run<SwappedCooperative<64, Cluster1x1>>, RasterOrder::AlongN, 1, true},
       {"swap coop 128x64 1x1 M-first", Run<SwappedCooperative<64, Cluster1x1>>, RasterOrder::AlongM, 1, true},
       {"swap coop 128x64 1x2 N-first", Run<SwappedCooperative<64, Cluster1x2>>, RasterOrder::AlongN, 1, true},
@@ -117,6 +118,8 @@ int main(int argc, char** argv) {
       {"swap coop 128x32 1x1 N-first", Run<SwappedCooperative<32, Cluster1x1>>, RasterOrder::AlongN, 1, true},
       {"swap coop 128x128 1x1 N-first", Run<SwappedCooperative<128, Cluster1x1>>, RasterOrder::AlongN, 1, true},
       {"swap coop 128x144 1x1 N-first", Run<SwappedCooperative<144, Cluster1x1>>, RasterOrder::AlongN, 1, true},
+      {"swap coop 128x128 2x1 N-first", Run<SwappedCooperative<128, Cluster2x1>>, RasterOrder::AlongN, 1, true},
+      {"swap coop 128x144 2x1 N-first", Run<SwappedCooperative<144, Cluster2x1>>, RasterOrder::AlongN, 1, true},
   };
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -165,7 +168,9 @@ int main(int argc, char** argv) {
                               CutlassWorkspace<SwappedCooperative<64, Cluster2x1>>(E),
                               CutlassWorkspace<SwappedCooperative<32, Cluster1x1>>(E),
                               CutlassWorkspace<SwappedCooperative<128, Cluster1x1>>(E),
-                              CutlassWorkspace<SwappedCooperative<144, Cluster1x1>>(E)});
+                              CutlassWorkspace<SwappedCooperative<144, Cluster1x1>>(E),
+                              CutlassWorkspace<SwappedCooperative<128, Cluster2x1>>(E),
+                              CutlassWorkspace<SwappedCooperative<144, Cluster2x1>>(E)});
     const size_t wsb = WorkspaceLayout(E).cutlass + cutlass_bytes;
     CK(cudaMalloc(&ws, wsb));
     CK(cudaMemcpy(doff, off.data(), (E + 1) * 4, cudaMemcpyHostToDevice));

@@ -89,7 +89,8 @@ template <int kRows, class ClusterShape, class Operands = RowsAsA, int kCols = 1
 using Pingpong = Config<Operands, cute::Shape<cute::Int<kRows>, cute::Int<kCols>, cute::_128>, ClusterShape,
                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
                         cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
-// Swap-AB: 128 weight rows (two cooperating warpgroups) by a token tile of kTokens.
+// Swap-AB: 128 weight rows (two cooperating warpgroups) by a token tile of kTokens. The weights'
+// 128-row scale blocks rule out ping-pong's 64-row M tile.
 template <int kTokens, class ClusterShape>
 using SwappedCooperative = Cooperative<128, ClusterShape, WeightsAsA, kTokens>;
 using Cluster1x1 = cute::Shape<cute::_1, cute::_1, cute::_1>;
