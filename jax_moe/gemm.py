@@ -503,6 +503,16 @@ def fp8_tile_rows(num_rows: int, num_groups: int) -> int:
     return 64 if num_rows <= FP8_SMALL_TILE_MAX_ROWS_PER_GROUP * num_groups else 128
 
 
+def _fp8_tile(op: str, tile_rows: int | None, num_rows: int, num_groups: int) -> int:
+    """tile_rows, or ``fp8_tile_rows``' pick for None; a ValueError naming op for any other value."""
+    if tile_rows is None:
+        return fp8_tile_rows(num_rows, num_groups)
+    if tile_rows not in FP8_TILE_ROWS:
+        raise ValueError(f"{op}: tile_rows: expected one of FP8_TILE_ROWS (64, 128, FP8_WEIGHTS_AS_A | 64, "
+                         f"FP8_WEIGHTS_AS_A | 128) or None, got {tile_rows!r}")
+    return tile_rows
+
+
 def _fp8_grouped_matmul_call(rows, weights_nk, scale_nk, offsets, workspace, num_rows: int, tile_rows: int):
     """The CUDA call of ``fp8_forward``: ``(out, workspace, q_rows, row_scale)``, the last two
     the call's quantised rows (``fp8.quantize_rows(rows[:num_rows])``, temporaries; tests read them)."""
@@ -635,10 +645,7 @@ def _check_fp8_swiglu(op, rows, rows_name, gate_up, gate_up_scale, down, down_sc
                          f"(gate_up is [El, 2F, H] = {tuple(gate_up.shape)}), got {tuple(jnp.shape(down))}")
     _check_fp8_forward(jax.ShapeDtypeStruct((0, two_f // 2), rows.dtype), down, down_scale, offsets, 0, op,
                        ("the activation", "down", "down_scale"))
-    tile_rows = fp8_tile_rows(num_rows, num_groups) if tile_rows is None else tile_rows
-    if tile_rows not in FP8_TILE_ROWS:
-        raise ValueError(f"{op}: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
-    return tile_rows
+    return _fp8_tile(op, tile_rows, num_rows, num_groups)
 
 
 def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows: int,
@@ -803,10 +810,7 @@ def fp8_forward(rows, weights_nk, scale_nk, offsets, workspace, num_rows: int, t
     """
     _check_fp8_forward(rows, weights_nk, scale_nk, offsets, num_rows)
     num_groups, n, k = weights_nk.shape
-    if tile_rows is None:
-        tile_rows = fp8_tile_rows(num_rows, num_groups)
-    elif tile_rows not in FP8_TILE_ROWS:
-        raise ValueError(f"fp8_forward: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
+    tile_rows = _fp8_tile("fp8_forward", tile_rows, num_rows, num_groups)
 
     def fallback(r, w, s, o, ws):
         return fp8_dequantized_matmul(r, w, s, o, num_rows), ws

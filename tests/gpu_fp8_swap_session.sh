@@ -7,6 +7,7 @@
 #   fp8_swap_tests.log      the FP8 GEMM's GPU tests, every tile of gemm.FP8_TILE_ROWS
 #   fp8_swap_tiles.json     gemm's tiles through XLA (jax_moe.bench.fp8_tile_probe)
 #   fp8_swap_layer_*.txt    DeepSeek-V3's FP8 layer at T = 4096 per kernel, the pick and each swap tile
+#   fp8_swap_memcheck.txt   compute-sanitizer memcheck over the FP8 GEMM, every tile, ragged groups
 source tests/gpu_build.sh "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 for case in dsv3 qwen3; do timeout 120 .probe/fp8tb "$case"; done > "$OUT/fp8_swap_probe.txt" 2>&1
@@ -25,3 +26,19 @@ train_profile.main(['--forward', '--fp8', '--model', 'deepseek_v3', '--tokens', 
 " "$tile" > "$OUT/fp8_swap_layer_$tile.txt" 2>&1
   tail -12 "$OUT/fp8_swap_layer_$tile.txt"
 done
+timeout 240 compute-sanitizer --tool memcheck --print-limit 20 python3 -c "
+import jax, numpy as np
+from jax_moe import fp8, gemm
+rng = np.random.default_rng(0)
+sizes = [5, 0, 130, 1, 64, 0, 200, 3]
+offsets = jax.numpy.asarray(np.concatenate([[0], np.cumsum(sizes)]), jax.numpy.int32)
+rows = jax.numpy.asarray(rng.standard_normal((sum(sizes) + 7, 256)), jax.numpy.bfloat16)
+gu = jax.jit(fp8.quantize)(rng.standard_normal((8, 512, 256)) / 16)
+dn = jax.jit(fp8.quantize)(rng.standard_normal((8, 256, 256)) / 16)
+for tile in gemm.FP8_TILE_ROWS:
+    out, _ = jax.jit(lambda *a: gemm.fp8_forward(*a, rows.shape[0], tile))(rows, *gu, offsets, gemm.fp8_workspace(8))
+    sw, _ = jax.jit(lambda *a: gemm.fp8_swiglu_forward(*a, rows.shape[0], tile, decode_rows=0))(
+        rows, *gu, *dn, offsets, gemm.fp8_workspace(8))
+    print(tile, bool(np.isfinite(np.asarray(out, np.float32)).all()), bool(np.isfinite(np.asarray(sw, np.float32)).all()))
+" > "$OUT/fp8_swap_memcheck.txt" 2>&1; echo "rc=$?" >> "$OUT/fp8_swap_memcheck.txt"
+grep -E "SUMMARY|rc=|^[0-9]" "$OUT/fp8_swap_memcheck.txt"
