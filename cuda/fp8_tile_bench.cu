@@ -49,7 +49,8 @@ __global__ void Compare(const uint16_t* x, const uint16_t* y, int64_t n, unsigne
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     if (x[i] == y[i]) continue;
     ++differ;
-    const float a = __uint_as_float(static_cast<uint32_t>(x[i]) << 16), b = __uint_as_float(static_cast<uint32_t>(y[i]) << 16);
+    const float a = __uint_as_float(static_cast<uint32_t>(x[i]) << 16);
+    const float b = __uint_as_float(static_cast<uint32_t>(y[i]) << 16);
     if (!(fabsf(a - b) <= 0x1p-7f * fmaxf(fabsf(a), fabsf(b)))) ++far;
   }
   if (differ) atomicAdd(bad, differ);

@@ -223,8 +223,10 @@ __global__ void SetupKernel(Fp8GroupedGemmArgs p) {
     reinterpret_cast<typename Types::StrideB*>(ws + layout.stride_b)[g] = stride_b;
     reinterpret_cast<typename Types::StrideD*>(ws + layout.stride_d)[g] = stride_d;
     const auto problem = cute::make_shape(cute::get<0>(shape), cute::get<1>(shape), k, 1);
-    reinterpret_cast<typename Types::LayoutSFA*>(ws + layout.layout_sfa)[g] = ScaleConfig::tile_atom_to_shape_SFA(problem);
-    reinterpret_cast<typename Types::LayoutSFB*>(ws + layout.layout_sfb)[g] = ScaleConfig::tile_atom_to_shape_SFB(problem);
+    reinterpret_cast<typename Types::LayoutSFA*>(ws + layout.layout_sfa)[g] =
+        ScaleConfig::tile_atom_to_shape_SFA(problem);
+    reinterpret_cast<typename Types::LayoutSFB*>(ws + layout.layout_sfb)[g] =
+        ScaleConfig::tile_atom_to_shape_SFB(problem);
   }
   const int64_t live = Clamp(p.expert_offsets[p.num_groups], 0, p.out_rows);
   uint4* out = reinterpret_cast<uint4*>(static_cast<ElementD*>(p.out) + live * p.n);
