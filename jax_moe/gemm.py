@@ -499,7 +499,8 @@ def fp8_tile_rows(num_rows: int, num_groups: int) -> int:
     """The FP8 prefill GEMM's row tile for num_rows rows over num_groups experts: 64 while the
     average group holds at most FP8_SMALL_TILE_MAX_ROWS_PER_GROUP rows, else 128. Measured on the
     H200 (gate/up, random routing): 64 rows won at 32 rows per group (DeepSeek-V3 T=1024: 1958 vs
-    2221 us) and lost from 64 up (Qwen3-30B T=1024: 166 vs 158; DeepSeek-V3 T=4096: 3733 vs 3351)."""
+    2221 us) and lost from 64 up (Qwen3-30B T=1024: 166 vs 158; DeepSeek-V3 T=4096: 3733 vs 3351).
+    The swap-AB tiles (``FP8_WEIGHTS_AS_A``) are not picked: they have not been timed yet."""
     return 64 if num_rows <= FP8_SMALL_TILE_MAX_ROWS_PER_GROUP * num_groups else 128
 
 
