@@ -491,7 +491,7 @@ ffi::Error Fp8GroupedMatmulImpl(cudaStream_t stream, ffi::AnyBuffer rows, ffi::A
   args.workspace = reinterpret_cast<void*>(aligned);
   args.workspace_bytes = workspace->size_bytes() > aligned - base ? workspace->size_bytes() - (aligned - base) : 0;
   args.out_rows = out_rows, args.num_groups = wd[0], args.k = k, args.n = wd[1];
-  if (!IsFp8Tile(tile_rows)) return InvalidArgument("fp8_grouped_matmul: tile_rows must be an IsFp8Tile code");
+  if (tile_rows != 64 && tile_rows != 128) return InvalidArgument("fp8_grouped_matmul: tile_rows must be 64 or 128");
   args.tile_rows = static_cast<int>(tile_rows);
   return CudaStatus(LaunchFp8GroupedGemm(args, stream), "fp8_grouped_matmul");
 }
@@ -546,7 +546,7 @@ ffi::Error RunFp8SwigluGemms(const char* op, cudaStream_t stream, const Fp8Swigl
       static_cast<int64_t>(act_scale.element_count()) != out_rows * (f / 128))
     return InvalidArgument(std::string(op) + ": expected temporaries hidden [out_rows, 2F] bf16, q_act [out_rows, F], "
                            "act_scale [out_rows, F / 128]");
-  if (!IsFp8Tile(tile_rows)) return InvalidArgument(std::string(op) + ": tile_rows must be an IsFp8Tile code");
+  if (tile_rows != 64 && tile_rows != 128) return InvalidArgument(std::string(op) + ": tile_rows must be 64 or 128");
   const uintptr_t base = reinterpret_cast<uintptr_t>(workspace.untyped_data());
   const uintptr_t aligned = (base + 127) / 128 * 128;
   Fp8GroupedGemmArgs args;

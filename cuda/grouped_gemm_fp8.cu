@@ -14,14 +14,10 @@
 namespace jax_moe {
 namespace fp8gemm {
 
-// The rows as A: 128 rows (cooperative) or 64 (ping-pong), both with the 1 x 2 cluster
+// The library's two: 128 rows (cooperative) or 64 (ping-pong), both with the 1 x 2 cluster
 // (measured: notebooks/results/bench_gemm_fp8_tiles_h200.md).
 using Rows128 = Cooperative<128, Cluster1x2>;
 using Rows64 = Pingpong<64, Cluster1x2>;
-// Swap-AB, token tiles of 64 or 128, no cluster: a cluster would round each group's token tiles up
-// to its width, and the extra tile runs its MMAs on zero rows.
-using Tokens64 = SwappedCooperative<64, Cluster1x1>;
-using Tokens128 = SwappedCooperative<128, Cluster1x1>;
 
 // `thread` indexes the 8-value pieces of the quantised rows, so a group's 16 pieces sit in one half
 // warp (QuantizeGroupPiece); lanes past the last group pass zeros and store nothing.
@@ -66,15 +62,14 @@ size_t Fp8GroupedGemmWorkspaceBytes(int64_t num_groups) {
   Fp8GroupedGemmArgs args{};
   args.num_groups = num_groups;
   return kWorkspaceAlignSlack + WorkspaceLayout(num_groups).cutlass +
-         std::max({Rows128::Gemm::get_workspace_size(MakeArguments<Rows128>(args, kGemmMaxSms)),
-                   Rows64::Gemm::get_workspace_size(MakeArguments<Rows64>(args, kGemmMaxSms)),
-                   Tokens64::Gemm::get_workspace_size(MakeArguments<Tokens64>(args, kGemmMaxSms)),
-                   Tokens128::Gemm::get_workspace_size(MakeArguments<Tokens128>(args, kGemmMaxSms))});
+         std::max(Rows128::Gemm::get_workspace_size(MakeArguments<Rows128::Gemm>(args, kGemmMaxSms)),
+                  Rows64::Gemm::get_workspace_size(MakeArguments<Rows64::Gemm>(args, kGemmMaxSms)));
 }
 
 cudaError_t LaunchFp8GroupedGemm(const Fp8GroupedGemmArgs& args, cudaStream_t stream) {
   using namespace fp8gemm;
-  if (args.k % kScaleBlock != 0 || args.n % kScaleBlock != 0 || args.num_groups < 1 || !IsFp8Tile(args.tile_rows) ||
+  if (args.k % kScaleBlock != 0 || args.n % kScaleBlock != 0 || args.num_groups < 1 ||
+      (args.tile_rows != 64 && args.tile_rows != 128) ||
       reinterpret_cast<uintptr_t>(args.workspace) % 128 != 0 ||
       args.workspace_bytes + kWorkspaceAlignSlack < Fp8GroupedGemmWorkspaceBytes(args.num_groups))
     return cudaErrorInvalidValue;
@@ -82,19 +77,11 @@ cudaError_t LaunchFp8GroupedGemm(const Fp8GroupedGemmArgs& args, cudaStream_t st
   if (sm_count <= 0) return cudaErrorInvalidDevice;
   const int64_t work = std::max<int64_t>(args.num_groups, args.out_rows * args.n / 8);
   const int blocks = static_cast<int>(std::clamp<int64_t>((work + kSetupThreads - 1) / kSetupThreads, 1, kMaxSetupBlocks));
-  const bool weights_as_a = (args.tile_rows & kFp8WeightsAsA) != 0;
-  if (weights_as_a) SetupKernel<WeightsAsA><<<blocks, kSetupThreads, 0, stream>>>(args);
-  else SetupKernel<RowsAsA><<<blocks, kSetupThreads, 0, stream>>>(args);
+  SetupKernel<<<blocks, kSetupThreads, 0, stream>>>(args);
   if (cudaGetLastError() != cudaSuccess) return cudaErrorLaunchFailure;
   void* cutlass_workspace = static_cast<char*>(args.workspace) + WorkspaceLayout(args.num_groups).cutlass;
-  // Swap-AB walks one weight block's token tiles in a row (N first), as the rows-as-A tiles walk
-  // one weight block's row tiles (M first).
-  switch (args.tile_rows) {
-    case 64: return RunGemm<Rows64>(args, sm_count, cutlass_workspace, stream);
-    case 128: return RunGemm<Rows128>(args, sm_count, cutlass_workspace, stream);
-    case kFp8WeightsAsA | 64: return RunGemm<Tokens64>(args, sm_count, cutlass_workspace, stream, RasterOrder::AlongN);
-    default: return RunGemm<Tokens128>(args, sm_count, cutlass_workspace, stream, RasterOrder::AlongN);
-  }
+  return args.tile_rows == 64 ? RunGemm<Rows64>(args, sm_count, cutlass_workspace, stream)
+                              : RunGemm<Rows128>(args, sm_count, cutlass_workspace, stream);
 }
 
 namespace {

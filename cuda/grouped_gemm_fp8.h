@@ -26,17 +26,8 @@ struct Fp8GroupedGemmArgs {
   void* workspace;                // 128-byte aligned
   size_t workspace_bytes;
   int64_t out_rows, num_groups, k, n;  // K and N multiples of 128
-  int tile_rows;                       // an IsFp8Tile code
+  int tile_rows;                       // CUTLASS's row tile: 128 (cooperative) or 64 (ping-pong)
 };
-
-// The row tiles: 64 (ping-pong) or 128 (cooperative) with the rows as CUTLASS's A (M); or, with
-// kFp8WeightsAsA set, swap-AB: the weights as A (128 of their rows a tile, two cooperating
-// warpgroups) and a token tile of 64 or 128 rows as N. Every tile gives each output as one float32
-// sum of the same scaled products.
-constexpr int kFp8WeightsAsA = 1 << 16;
-constexpr bool IsFp8Tile(int64_t tile) {
-  return tile == 64 || tile == 128 || tile == (kFp8WeightsAsA | 64) || tile == (kFp8WeightsAsA | 128);
-}
 
 size_t Fp8GroupedGemmWorkspaceBytes(int64_t num_groups);
 cudaError_t LaunchFp8GroupedGemm(const Fp8GroupedGemmArgs& args, cudaStream_t stream);

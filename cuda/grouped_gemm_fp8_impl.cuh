@@ -35,39 +35,22 @@ using Shape = ProblemShape::UnderlyingProblemShape;
 constexpr int kAlignAB = 16;  // elements of 16 bytes
 constexpr int kAlignD = 8;
 constexpr int kScaleBlock = 128;
-// Which operand is CUTLASS's A. Both read the rows [R, K] and the weights [N, K] K-major (FP8
-// wgmma reads both operands K-major), so only the scales' granularity and D's layout differ.
-//   RowsAsA (the library's): M = a group's rows, N = the output's columns; out = rows @ w^T.
-//   WeightsAsA (swap-AB): M = the output's columns, N = a group's rows; out^T = w @ rows^T, stored
-//     through a column-major D. A group's rows then pad to the N tile, any multiple of 8, instead
-//     of wgmma's 64-row M granularity.
-// Scales: per row and 128 of K for the rows, per 128 x 128 block for the weights; both K-major: a
-// row's scales are contiguous (written by QuantizeRows), the weights' are the checkpoint's
-// [N/128, K/128].
-struct RowsAsA {
-  static constexpr bool kSwapped = false;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleBlock, kScaleBlock, cute::GMMA::Major::K,
-                                                                 cute::GMMA::Major::K>;
-  using LayoutD = cutlass::layout::RowMajor;     // out [rows, N]
-};
-struct WeightsAsA {
-  static constexpr bool kSwapped = true;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<kScaleBlock, 1, kScaleBlock, cute::GMMA::Major::K,
-                                                                 cute::GMMA::Major::K>;
-  using LayoutD = cutlass::layout::ColumnMajor;  // out [rows, N] read as (N, rows)
-};
-using LayoutA = cutlass::layout::RowMajor;     // A [M, K], K contiguous
-using LayoutB = cutlass::layout::ColumnMajor;  // B read as (N, K), K contiguous
+// Per row and 128 of K for the rows, per 128 x 128 block for the weights; both K-major: a row's
+// scales are contiguous (written by QuantizeRows), the weights' are the checkpoint's [N/128, K/128].
+using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleBlock, kScaleBlock, cute::GMMA::Major::K,
+                                                               cute::GMMA::Major::K>;
+using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+using LayoutA = cutlass::layout::RowMajor;     // rows [M, K]
+using LayoutB = cutlass::layout::ColumnMajor;  // w [N, K] read as (N, K), K contiguous
+using LayoutD = cutlass::layout::RowMajor;
 
-// One CUTLASS kernel per operand order, tile, cluster and schedule. The scales' 128-wide K blocks
-// fix the tile's K at 128; the blockwise mainloop keeps two float32 accumulators per warpgroup (the
-// MMA's and the scaled sum), so a warpgroup holds at most 64 x 128 of them: 128 rows on two
-// cooperating warpgroups, or 64 rows per warpgroup in ping-pong.
-template <class Operands, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+// One CUTLASS kernel per tile, cluster and schedule. The scales' 128-wide K blocks fix the tile's K
+// at 128; the blockwise mainloop keeps two float32 accumulators per warpgroup (the MMA's and the
+// scaled sum), so a warpgroup holds at most 64 x 128 of them: 128 rows on two cooperating
+// warpgroups, or 64 rows per warpgroup in ping-pong.
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 struct Config {
-  using LayoutSFA = decltype(Operands::ScaleConfig::deduce_layoutSFA());
-  using LayoutSFB = decltype(Operands::ScaleConfig::deduce_layoutSFB());
-  using LayoutD = typename Operands::LayoutD;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
@@ -79,47 +62,25 @@ struct Config {
       KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using Ops = Operands;
 };
-template <int kRows, class ClusterShape, class Operands = RowsAsA, int kCols = 128>
-using Cooperative = Config<Operands, cute::Shape<cute::Int<kRows>, cute::Int<kCols>, cute::_128>, ClusterShape,
+template <int kRows, class ClusterShape>
+using Cooperative = Config<cute::Shape<cute::Int<kRows>, cute::_128, cute::_128>, ClusterShape,
                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
                            cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-template <int kRows, class ClusterShape, class Operands = RowsAsA, int kCols = 128>
-using Pingpong = Config<Operands, cute::Shape<cute::Int<kRows>, cute::Int<kCols>, cute::_128>, ClusterShape,
+template <int kRows, class ClusterShape>
+using Pingpong = Config<cute::Shape<cute::Int<kRows>, cute::_128, cute::_128>, ClusterShape,
                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
                         cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
-// Swap-AB: 128 weight rows (two cooperating warpgroups) by a token tile of kTokens. The weights'
-// 128-row scale blocks rule out ping-pong's 64-row M tile.
-template <int kTokens, class ClusterShape>
-using SwappedCooperative = Cooperative<128, ClusterShape, WeightsAsA, kTokens>;
-using Cluster1x1 = cute::Shape<cute::_1, cute::_1, cute::_1>;
-using Cluster1x2 = cute::Shape<cute::_1, cute::_2, cute::_1>;  // two N tiles share the A tile's loads
-// The per-group arguments the setup kernel writes: the same for every tile and cluster of one
-// operand order.
-template <class Operands>
-struct Arguments {
-  using Reference = Cooperative<128, Cluster1x2, Operands>;
-  using StrideA = typename Reference::Kernel::InternalStrideA;
-  using StrideB = typename Reference::Kernel::InternalStrideB;
-  using StrideD = typename Reference::Kernel::InternalStrideD;
-  using LayoutSFA = typename Reference::LayoutSFA;
-  using LayoutSFB = typename Reference::LayoutSFB;
-};
+using Cluster1x2 = cute::Shape<cute::_1, cute::_2, cute::_1>;  // two N tiles share the rows' loads
+// The per-group arguments the setup kernel writes: the same for every tile and cluster.
+using Reference = Cooperative<128, Cluster1x2>;
+using StrideA = typename Reference::Kernel::InternalStrideA;
+using StrideB = typename Reference::Kernel::InternalStrideB;
+using StrideD = typename Reference::Kernel::InternalStrideD;
 template <class C>
-constexpr bool kSameArguments =
-    std::is_same_v<typename Arguments<typename C::Ops>::StrideA, typename C::Kernel::InternalStrideA> &&
-    std::is_same_v<typename Arguments<typename C::Ops>::StrideB, typename C::Kernel::InternalStrideB> &&
-    std::is_same_v<typename Arguments<typename C::Ops>::StrideD, typename C::Kernel::InternalStrideD>;
-// One workspace layout serves both orders: their per-group records have the same sizes.
-using StrideA = Arguments<RowsAsA>::StrideA;
-using StrideB = Arguments<RowsAsA>::StrideB;
-using StrideD = Arguments<RowsAsA>::StrideD;
-using LayoutSFA = Arguments<RowsAsA>::LayoutSFA;
-using LayoutSFB = Arguments<RowsAsA>::LayoutSFB;
-static_assert(sizeof(StrideD) == sizeof(Arguments<WeightsAsA>::StrideD) &&
-              sizeof(LayoutSFA) == sizeof(Arguments<WeightsAsA>::LayoutSFA) &&
-              sizeof(LayoutSFB) == sizeof(Arguments<WeightsAsA>::LayoutSFB));
+constexpr bool kSameArguments = std::is_same_v<StrideA, typename C::Kernel::InternalStrideA> &&
+                                std::is_same_v<StrideB, typename C::Kernel::InternalStrideB> &&
+                                std::is_same_v<StrideD, typename C::Kernel::InternalStrideD>;
 
 // Where each per-group array sits in the workspace (fixed by the group count alone).
 struct WorkspaceLayout {
@@ -145,28 +106,22 @@ struct WorkspaceLayout {
 
 using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
 
-// CUTLASS's arguments over the workspace's per-group arrays, for configuration C. The group
-// scheduler walks each group's tiles along M first by default: with the rows as A, the tiles
-// sharing one expert's weight block run together (with the weights as A, AlongN does that).
-template <class C>
-typename C::Gemm::Arguments MakeArguments(const Fp8GroupedGemmArgs& args, int sm_count,
-                                          RasterOrder raster = RasterOrder::AlongM, int swizzle = 1) {
-  using Types = Arguments<typename C::Ops>;
+// CUTLASS's arguments over the workspace's per-group arrays. The group scheduler walks each group's
+// tiles along M first by default (the tiles sharing one expert's N block run together).
+template <class Gemm>
+typename Gemm::Arguments MakeArguments(const Fp8GroupedGemmArgs& args, int sm_count,
+                                       RasterOrder raster = RasterOrder::AlongM, int swizzle = 1) {
   char* base = static_cast<char*>(args.workspace);
   const WorkspaceLayout layout(args.num_groups);
-  typename C::Gemm::Arguments arguments{
+  typename Gemm::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {static_cast<int>(args.num_groups), reinterpret_cast<Shape*>(base + layout.shapes), nullptr},
-      {reinterpret_cast<const ElementAB**>(base + layout.ptr_a),
-       reinterpret_cast<typename Types::StrideA*>(base + layout.stride_a),
-       reinterpret_cast<const ElementAB**>(base + layout.ptr_b),
-       reinterpret_cast<typename Types::StrideB*>(base + layout.stride_b),
-       reinterpret_cast<const float**>(base + layout.ptr_sfa),
-       reinterpret_cast<typename Types::LayoutSFA*>(base + layout.layout_sfa),
-       reinterpret_cast<const float**>(base + layout.ptr_sfb),
-       reinterpret_cast<typename Types::LayoutSFB*>(base + layout.layout_sfb)},
+      {reinterpret_cast<const ElementAB**>(base + layout.ptr_a), reinterpret_cast<StrideA*>(base + layout.stride_a),
+       reinterpret_cast<const ElementAB**>(base + layout.ptr_b), reinterpret_cast<StrideB*>(base + layout.stride_b),
+       reinterpret_cast<const float**>(base + layout.ptr_sfa), reinterpret_cast<LayoutSFA*>(base + layout.layout_sfa),
+       reinterpret_cast<const float**>(base + layout.ptr_sfb), reinterpret_cast<LayoutSFB*>(base + layout.layout_sfb)},
       {{}, nullptr, nullptr, reinterpret_cast<ElementD**>(base + layout.ptr_d),
-       reinterpret_cast<typename Types::StrideD*>(base + layout.stride_d)},
+       reinterpret_cast<StrideD*>(base + layout.stride_d)},
       cutlass::KernelHardwareInfo{0, sm_count}};
   arguments.epilogue.thread.alpha = 1.0f;
   arguments.epilogue.thread.beta = 0.0f;
@@ -181,14 +136,8 @@ constexpr int kMaxSetupBlocks = 264;
 
 __device__ int64_t Clamp(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// One group's arguments per thread, then zeros on the rows past the last group. The group computes
-// out[start:end] = rows[start:end] @ w[g]^T: with the rows as A the problem is (rows, N, K) and D
-// row-major [rows, N]; with the weights as A it is (N, rows, K) and D the same memory read
-// column-major, leading dimension N.
-template <class Operands>
+// One group's arguments per thread, then zeros on the rows past the last group.
 __global__ void SetupKernel(Fp8GroupedGemmArgs p) {
-  using Types = Arguments<Operands>;
-  using ScaleConfig = typename Operands::ScaleConfig;
   const WorkspaceLayout layout(p.num_groups);
   char* ws = static_cast<char*>(p.workspace);
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -198,47 +147,38 @@ __global__ void SetupKernel(Fp8GroupedGemmArgs p) {
     const int64_t start = Clamp(p.expert_offsets[g], 0, p.out_rows);
     const int64_t end = Clamp(p.expert_offsets[g + 1], start, p.out_rows);
     const int rows = static_cast<int>(end - start), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-    const ElementAB* group_rows = static_cast<const ElementAB*>(p.a) + start * p.k;
-    const ElementAB* weights = static_cast<const ElementAB*>(p.b) + g * p.n * p.k;
-    const float* row_scales = p.a_scale + start * k_blocks;
-    const float* weight_scales = p.b_scale + g * n_blocks * k_blocks;
-    const Shape shape = Operands::kSwapped ? Shape{n, rows, k} : Shape{rows, n, k};
-    reinterpret_cast<Shape*>(ws + layout.shapes)[g] = shape;
-    reinterpret_cast<const ElementAB**>(ws + layout.ptr_a)[g] = Operands::kSwapped ? weights : group_rows;
-    reinterpret_cast<const ElementAB**>(ws + layout.ptr_b)[g] = Operands::kSwapped ? group_rows : weights;
-    reinterpret_cast<const float**>(ws + layout.ptr_sfa)[g] = Operands::kSwapped ? weight_scales : row_scales;
-    reinterpret_cast<const float**>(ws + layout.ptr_sfb)[g] = Operands::kSwapped ? row_scales : weight_scales;
+    reinterpret_cast<Shape*>(ws + layout.shapes)[g] = Shape{rows, n, k};
+    reinterpret_cast<const ElementAB**>(ws + layout.ptr_a)[g] = static_cast<const ElementAB*>(p.a) + start * p.k;
+    reinterpret_cast<const ElementAB**>(ws + layout.ptr_b)[g] = static_cast<const ElementAB*>(p.b) + g * p.n * p.k;
+    reinterpret_cast<const float**>(ws + layout.ptr_sfa)[g] = p.a_scale + start * k_blocks;
+    reinterpret_cast<const float**>(ws + layout.ptr_sfb)[g] = p.b_scale + g * n_blocks * k_blocks;
     reinterpret_cast<ElementD**>(ws + layout.ptr_d)[g] = static_cast<ElementD*>(p.out) + start * p.n;
-    typename Types::StrideA stride_a{};
-    typename Types::StrideB stride_b{};
-    typename Types::StrideD stride_d{};
-    cute::get<0>(stride_a) = p.k;  // both operands K-major
+    StrideA stride_a{};
+    StrideB stride_b{};
+    StrideD stride_d{};
+    cute::get<0>(stride_a) = p.k;
     cute::get<0>(stride_b) = p.k;
-    if constexpr (Operands::kSwapped) {
-      cute::get<1>(stride_d) = p.n;  // (N, rows) column-major
-    } else {
-      cute::get<0>(stride_d) = p.n;  // (rows, N) row-major
-    }
-    reinterpret_cast<typename Types::StrideA*>(ws + layout.stride_a)[g] = stride_a;
-    reinterpret_cast<typename Types::StrideB*>(ws + layout.stride_b)[g] = stride_b;
-    reinterpret_cast<typename Types::StrideD*>(ws + layout.stride_d)[g] = stride_d;
-    const auto problem = cute::make_shape(cute::get<0>(shape), cute::get<1>(shape), k, 1);
-    reinterpret_cast<typename Types::LayoutSFA*>(ws + layout.layout_sfa)[g] =
-        ScaleConfig::tile_atom_to_shape_SFA(problem);
-    reinterpret_cast<typename Types::LayoutSFB*>(ws + layout.layout_sfb)[g] =
-        ScaleConfig::tile_atom_to_shape_SFB(problem);
+    cute::get<0>(stride_d) = p.n;
+    reinterpret_cast<StrideA*>(ws + layout.stride_a)[g] = stride_a;
+    reinterpret_cast<StrideB*>(ws + layout.stride_b)[g] = stride_b;
+    reinterpret_cast<StrideD*>(ws + layout.stride_d)[g] = stride_d;
+    reinterpret_cast<LayoutSFA*>(ws + layout.layout_sfa)[g] =
+        ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(rows, n, k, 1));
+    reinterpret_cast<LayoutSFB*>(ws + layout.layout_sfb)[g] =
+        ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(rows, n, k, 1));
   }
   const int64_t live = Clamp(p.expert_offsets[p.num_groups], 0, p.out_rows);
   uint4* out = reinterpret_cast<uint4*>(static_cast<ElementD*>(p.out) + live * p.n);
   for (int64_t i = thread; i < (p.out_rows - live) * p.n / 8; i += threads) out[i] = make_uint4(0, 0, 0, 0);
 }
 
+
 template <class C>
 cudaError_t RunGemm(const Fp8GroupedGemmArgs& args, int sm_count, void* cutlass_workspace, cudaStream_t stream,
                     RasterOrder raster = RasterOrder::AlongM, int swizzle = 1) {
   static_assert(kSameArguments<C>, "every configuration reads the setup kernel's per-group arguments");
   typename C::Gemm gemm;
-  const auto arguments = MakeArguments<C>(args, sm_count, raster, swizzle);
+  const auto arguments = MakeArguments<typename C::Gemm>(args, sm_count, raster, swizzle);
   if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
   if (gemm.initialize(arguments, cutlass_workspace, stream) != cutlass::Status::kSuccess) return cudaErrorUnknown;
   if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;

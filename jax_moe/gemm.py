@@ -486,12 +486,7 @@ def fp8_workspace(num_groups: int) -> jax.Array:
     return uninitialized((max(1, -(-_native.fp8_grouped_matmul_workspace_bytes(num_groups) // 4)),), jnp.int32)
 
 
-# The FP8 GEMM's CUTLASS row tiles (cuda/grouped_gemm_fp8.h, IsFp8Tile): 64 (ping-pong) and 128
-# (cooperative) with the rows as CUTLASS's A; FP8_WEIGHTS_AS_A | 64 and | 128, swap-AB: the weights
-# as A, 128 of their rows a tile, and a token tile of 64 or 128 rows. A group's rows pad to the token
-# tile, not to wgmma's 64-row M granularity.
-FP8_WEIGHTS_AS_A = 1 << 16
-FP8_TILE_ROWS = (64, 128, FP8_WEIGHTS_AS_A | 64, FP8_WEIGHTS_AS_A | 128)
+FP8_TILE_ROWS = (64, 128)  # the FP8 GEMM's CUTLASS row tiles: ping-pong 64, cooperative 128
 FP8_SMALL_TILE_MAX_ROWS_PER_GROUP = 32  # measured: notebooks/results/bench_gemm_fp8_tiles_h200.json
 
 
@@ -499,19 +494,8 @@ def fp8_tile_rows(num_rows: int, num_groups: int) -> int:
     """The FP8 prefill GEMM's row tile for num_rows rows over num_groups experts: 64 while the
     average group holds at most FP8_SMALL_TILE_MAX_ROWS_PER_GROUP rows, else 128. Measured on the
     H200 (gate/up, random routing): 64 rows won at 32 rows per group (DeepSeek-V3 T=1024: 1958 vs
-    2221 us) and lost from 64 up (Qwen3-30B T=1024: 166 vs 158; DeepSeek-V3 T=4096: 3733 vs 3351).
-    The swap-AB tiles (``FP8_WEIGHTS_AS_A``) are not picked: they have not been timed yet."""
+    2221 us) and lost from 64 up (Qwen3-30B T=1024: 166 vs 158; DeepSeek-V3 T=4096: 3733 vs 3351)."""
     return 64 if num_rows <= FP8_SMALL_TILE_MAX_ROWS_PER_GROUP * num_groups else 128
-
-
-def _fp8_tile(op: str, tile_rows: int | None, num_rows: int, num_groups: int) -> int:
-    """tile_rows, or ``fp8_tile_rows``' pick for None; a ValueError naming op for any other value."""
-    if tile_rows is None:
-        return fp8_tile_rows(num_rows, num_groups)
-    if tile_rows not in FP8_TILE_ROWS:
-        raise ValueError(f"{op}: tile_rows: expected one of FP8_TILE_ROWS (64, 128, FP8_WEIGHTS_AS_A | 64, "
-                         f"FP8_WEIGHTS_AS_A | 128) or None, got {tile_rows!r}")
-    return tile_rows
 
 
 def _fp8_grouped_matmul_call(rows, weights_nk, scale_nk, offsets, workspace, num_rows: int, tile_rows: int):
@@ -646,7 +630,10 @@ def _check_fp8_swiglu(op, rows, rows_name, gate_up, gate_up_scale, down, down_sc
                          f"(gate_up is [El, 2F, H] = {tuple(gate_up.shape)}), got {tuple(jnp.shape(down))}")
     _check_fp8_forward(jax.ShapeDtypeStruct((0, two_f // 2), rows.dtype), down, down_scale, offsets, 0, op,
                        ("the activation", "down", "down_scale"))
-    return _fp8_tile(op, tile_rows, num_rows, num_groups)
+    tile_rows = fp8_tile_rows(num_rows, num_groups) if tile_rows is None else tile_rows
+    if tile_rows not in FP8_TILE_ROWS:
+        raise ValueError(f"{op}: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
+    return tile_rows
 
 
 def fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows: int,
@@ -803,15 +790,17 @@ def fp8_forward(rows, weights_nk, scale_nk, offsets, workspace, num_rows: int, t
         operands K-major); scale_nk: [El, N/128, K/128] float32 (DeepSeek-V3's weight_scale_inv).
       offsets: [El + 1] int32 expert offsets; workspace: ``fp8_workspace(El)``, threaded through.
       num_rows: static row count of the result (the live-row bound).
-      tile_rows: one of ``FP8_TILE_ROWS``, the CUTLASS tile (default ``fp8_tile_rows``; the math is
-        the same, each output one float32 sum of the same scaled products).
+      tile_rows: 64 or 128, the CUTLASS row tile (default ``fp8_tile_rows``; the math is the same).
 
     Returns ``(out, workspace)``. Off CUDA (or for shapes it does not take: K or N not a multiple of
     128, rows not bf16) ``fp8_dequantized_matmul``. No autodiff rule (``experts`` gives the layer's).
     """
     _check_fp8_forward(rows, weights_nk, scale_nk, offsets, num_rows)
     num_groups, n, k = weights_nk.shape
-    tile_rows = _fp8_tile("fp8_forward", tile_rows, num_rows, num_groups)
+    if tile_rows is None:
+        tile_rows = fp8_tile_rows(num_rows, num_groups)
+    elif tile_rows not in FP8_TILE_ROWS:
+        raise ValueError(f"fp8_forward: tile_rows: expected one of {FP8_TILE_ROWS} or None, got {tile_rows!r}")
 
     def fallback(r, w, s, o, ws):
         return fp8_dequantized_matmul(r, w, s, o, num_rows), ws

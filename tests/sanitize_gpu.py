@@ -2,7 +2,7 @@
 the ranking of few routes, and FP8 experts' quantising permute), padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward and its adds; the grouped
 GEMM forward and its input- and weight-gradient kernels (also written into a slice of a stack); the
 SwiGLU backward's elementwise kernel (also reading from a stack); the backward's row gather; the
-decode kernel; the FP8 grouped GEMM (every tile of gemm.FP8_TILE_ROWS); the decode router; the experts' choice
+decode kernel; the FP8 grouped GEMM (both row tiles); the decode router; the experts' choice
 kernel; with --stack, the training stack's gradients. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
@@ -130,8 +130,8 @@ for num_tokens, ffn, hidden_size in ((1, 96, 264), (40, 1024, 264), (1, 768, 204
     print("decode T", num_tokens, "live rows", live, "finite", bool(np.isfinite(np.asarray(out, np.float32)).all()),
           "gated finite", bool(np.isfinite(np.asarray(gated, np.float32)).all()),
           "rows past live zero", not np.asarray(out[live:], np.float32).any())
-    # The same groups on the FP8 grouped GEMM (weights [El, N, K], 128 x 128 block scales), every
-    # tile, the scratch's workspace.
+    # The same groups on the FP8 grouped GEMM (weights [El, N, K], 128 x 128 block scales), both
+    # row tiles, the scratch's workspace.
     q, scale_inv = jax.jit(jax_moe.fp8.quantize)(rng.standard_normal((16, 256, 256)) / 16)
     rows = scratch.permuted[:, :256]
     for tile in jax_moe.gemm.FP8_TILE_ROWS:

@@ -1,4 +1,4 @@
-"""FP8 prefill GEMM: its CUTLASS tiles (64 and 128 rows; swap-AB's 64 and 128 tokens) against bf16 jax_moe, on the gemm suite's randomly
+"""FP8 prefill GEMM: the 64- vs 128-row CUTLASS tile against bf16 jax_moe, on the gemm suite's randomly
 routed gate/up rows: ``python -m jax_moe.bench.fp8_tile_probe`` (a GPU; prints one JSON line per shape).
 The measurement behind ``gemm.fp8_tile_rows``: notebooks/results/bench_gemm_fp8_tiles_h200.md."""
 from __future__ import annotations
@@ -17,11 +17,6 @@ SHAPES = (("qwen3_30b", 1024), ("qwen3_30b", 4096), ("qwen3_30b", 16384),
           ("deepseek_v3", 1024), ("deepseek_v3", 4096), ("deepseek_v3", 16384))
 
 
-def tile_label(tile: int) -> str:
-    """``fp8_64``, ``fp8_128``; ``fp8_swap64``, ``fp8_swap128`` for the weights as CUTLASS's A."""
-    return f"fp8_swap{tile & ~gemm.FP8_WEIGHTS_AS_A}" if tile & gemm.FP8_WEIGHTS_AS_A else f"fp8_{tile}"
-
-
 def measure(name: str, tokens: int) -> dict:
     """µs of the FP8 GEMM per row tile and of the bf16 grouped_matmul, for one (model, T)."""
     m = MODELS[name]
@@ -38,7 +33,7 @@ def measure(name: str, tokens: int) -> dict:
             out, ws = gemm.fp8_forward(s.permuted, q, q_scale, s.expert_offsets, ws, live, tile)
             return out, (q, q_scale, s, ws)
         operands = (q, q_scale, scratch, gemm.fp8_workspace(El))
-        res[tile_label(tile)] = round(gemm_suite._timed(eight, operands)["s"] * 1e6, 1)
+        res[f"fp8_{tile}"] = round(gemm_suite._timed(eight, operands)["s"] * 1e6, 1)
     del q
     w = jax.random.normal(key, (El, H, N), jnp.bfloat16)
 
@@ -46,7 +41,7 @@ def measure(name: str, tokens: int) -> dict:
         out, s = jax_moe.grouped_matmul(s.permuted, w, s, num_rows=live)
         return out, (w, s)
     res["bf16"] = round(gemm_suite._timed(bf16, (w, scratch))["s"] * 1e6, 1)
-    res["speedup_best"] = round(res["bf16"] / min(res[tile_label(t)] for t in gemm.FP8_TILE_ROWS), 2)
+    res["speedup_best"] = round(res["bf16"] / min(res[f"fp8_{t}"] for t in gemm.FP8_TILE_ROWS), 2)
     return res
 
 
