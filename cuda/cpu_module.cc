@@ -19,6 +19,8 @@ PYBIND11_MODULE(_jax_moe_cpu, m) {
     handlers["jax_moe_bench_noop"] = Capsule(JaxMoeNoopCpu);
     handlers["jax_moe_bench_copy"] = Capsule(JaxMoeCopyCpu);
     handlers["jax_moe_uninitialized"] = Capsule(JaxMoeUninitializedCpu);
+    handlers["jax_moe_grouped_dot"] = Capsule(JaxMoeGroupedDotCpu);
+    handlers["jax_moe_grouped_dot_weight_grad"] = Capsule(JaxMoeGroupedDotWeightGradCpu);
     return handlers;
   });
 }

@@ -8,10 +8,6 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <xmmintrin.h>
-#endif
-
 #include "ffi_shapes.h"
 #include "float_bits.h"
 #include "xla/ffi/api/ffi.h"
@@ -122,30 +118,6 @@ template <>
 void StoreFromFloat<ffi::F16>(void* data, int64_t index, float value) {
   static_cast<uint16_t*>(data)[index] = FloatToF16(value);
 }
-
-// XLA:CPU runs custom calls with flush-to-zero / denormals-are-zero set; the contract's float32
-// arithmetic (and the CUDA kernels) keep subnormals, so clear those modes for the sum.
-class IeeeSubnormals {
- public:
-#if defined(__x86_64__) || defined(_M_X64)
-  IeeeSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~(kFlushToZero | kDenormalsAreZero)); }
-  ~IeeeSubnormals() { _mm_setcsr(saved_); }
-
- private:
-  static constexpr unsigned kFlushToZero = 0x8000, kDenormalsAreZero = 0x0040;
-  unsigned saved_;
-#elif defined(__aarch64__)
-  IeeeSubnormals() {
-    __asm__ volatile("mrs %0, fpcr" : "=r"(saved_));
-    const uint64_t ieee = saved_ & ~(uint64_t{1} << 24);  // FZ
-    __asm__ volatile("msr fpcr, %0" : : "r"(ieee));
-  }
-  ~IeeeSubnormals() { __asm__ volatile("msr fpcr, %0" : : "r"(saved_)); }
-
- private:
-  uint64_t saved_;
-#endif
-};
 
 template <ffi::DataType kRowType, ffi::DataType kWeightType>
 void UnpermuteRows(const void* y, const void* weights, const int32_t* dest, void* out,

@@ -1,10 +1,15 @@
 // Bit-exact float16/bfloat16 <-> float32 conversions for host code (round to nearest even),
-// so the CPU handlers round exactly as the contract and the CUDA intrinsics do.
+// so the CPU handlers round exactly as the contract and the CUDA intrinsics do; and the IEEE
+// subnormal mode their float32 arithmetic runs in.
 #ifndef JAX_MOE_FLOAT_BITS_H_
 #define JAX_MOE_FLOAT_BITS_H_
 
 #include <cstdint>
 #include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
 
 namespace jax_moe {
 
@@ -58,6 +63,30 @@ inline uint16_t FloatToF16(float f) {
   }
   return static_cast<uint16_t>(out | (sign >> 16));
 }
+
+// XLA:CPU runs custom calls with flush-to-zero / denormals-are-zero set; the contract's float32
+// arithmetic (and the CUDA kernels) keep subnormals, so clear those modes for the sum.
+class IeeeSubnormals {
+ public:
+#if defined(__x86_64__) || defined(_M_X64)
+  IeeeSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~(kFlushToZero | kDenormalsAreZero)); }
+  ~IeeeSubnormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFlushToZero = 0x8000, kDenormalsAreZero = 0x0040;
+  unsigned saved_;
+#elif defined(__aarch64__)
+  IeeeSubnormals() {
+    __asm__ volatile("mrs %0, fpcr" : "=r"(saved_));
+    const uint64_t ieee = saved_ & ~(uint64_t{1} << 24);  // FZ
+    __asm__ volatile("msr fpcr, %0" : : "r"(ieee));
+  }
+  ~IeeeSubnormals() { __asm__ volatile("msr fpcr, %0" : : "r"(saved_)); }
+
+ private:
+  uint64_t saved_;
+#endif
+};
 
 }  // namespace jax_moe
 

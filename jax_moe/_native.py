@@ -26,6 +26,8 @@ FP8_DECODE_SWIGLU_TARGET = "jax_moe_fp8_decode_swiglu"  # CUDA only
 FP8_DECODE_SWIGLU_SHARED_TARGET = "jax_moe_fp8_decode_swiglu_shared"  # CUDA only
 SWIGLU_BACKWARD_TARGET = "jax_moe_swiglu_backward"  # CUDA only
 UNINITIALIZED_TARGET = "jax_moe_uninitialized"
+GROUPED_DOT_TARGET = "jax_moe_grouped_dot"  # CPU only
+GROUPED_DOT_WEIGHT_GRAD_TARGET = "jax_moe_grouped_dot_weight_grad"  # CPU only
 
 
 def _register(module_name: str, platform: str):

@@ -1,9 +1,10 @@
-"""The experts on permuted rows: SwiGLU on ``jax.lax.ragged_dot``, or on the CUDA grouped GEMMs.
+"""The experts on permuted rows: SwiGLU on ``gemm.grouped_dot`` (``ragged_dot``), or on the CUDA grouped GEMMs.
 
 Between ``permute`` and ``unpermute`` each local expert e applies ``down_e(silu(gate_e(r)) *
 up_e(r))`` to its rows r. Two implementations:
-- ``swiglu_experts``: two ``jax.lax.ragged_dot`` calls, differentiated by JAX (any device, any
-  dtype; the reference of the layer tests).
+- ``swiglu_experts``: two ``gemm.grouped_dot`` calls (``jax.lax.ragged_dot``; on CPU a C++ kernel
+  that skips the other experts' weights), differentiated by JAX (any device, any dtype; the
+  reference of the layer tests).
 - ``swiglu_experts_grouped``: the CUDA grouped GEMMs (``jax_moe.gemm``) on the scratch's groups,
   with a hand-written backward: four more grouped GEMMs (input and weight gradient of each
   projection), bf16 operands and float32 accumulation, no float32 copy of any weight.
@@ -35,7 +36,8 @@ SHARED_NAMES = ("shared_gate_up", "shared_down", "shared_gate")
 
 
 def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """The default experts: SwiGLU as two ``jax.lax.ragged_dot`` grouped GEMMs.
+    """The default experts: SwiGLU as two grouped GEMMs, ``gemm.grouped_dot`` (``jax.lax.ragged_dot``;
+    on CPU a kernel that multiplies each row by its own expert's weights only).
 
     Args:
       layer_params: one layer's params; ``gate_up`` [El, H, 2F] and ``down`` [El, F, H] are used
@@ -50,9 +52,9 @@ def swiglu_experts(layer_params: dict, rows: jax.Array, group_sizes: jax.Array) 
     if fp8.is_quantized(layer_params):
         return _fp8_swiglu_dequantized(layer_params, rows, group_sizes)
     gate_up, down = fp8.expert_weights(layer_params, rows.dtype)
-    hidden = jax.lax.ragged_dot(rows, gate_up, group_sizes, preferred_element_type=jnp.float32)
+    hidden = gemm.grouped_dot(rows, gate_up, group_sizes, preferred_element_type=jnp.float32)
     activated = gated_silu(hidden, rows.dtype)
-    out = jax.lax.ragged_dot(activated, down, group_sizes, preferred_element_type=jnp.float32)
+    out = gemm.grouped_dot(activated, down, group_sizes, preferred_element_type=jnp.float32)
     return out.astype(rows.dtype)
 
 

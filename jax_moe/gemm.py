@@ -5,7 +5,9 @@ wrote: ``expert_offsets``) by that expert's weights, reading the groups on the d
 sync, work bounded by the live rows, its per-expert arguments in the scratch's workspace. Its
 backward runs the two other grouped GEMMs of an expert layer, also native on GPU:
 ``input_grad`` (``d rows = d out @ w[g]^T``) and ``weight_grad`` (``d w[g] = rows_g^T @ d out_g``,
-a reduction over each expert's own rows). Elsewhere all three are ``jax.lax.ragged_dot``.
+a reduction over each expert's own rows). Elsewhere all three are ``grouped_dot``: ragged_dot's
+product, on CPU a C++ kernel that multiplies each row by its own group's weights only
+(cuda/cpu_grouped_dot.cc; XLA:CPU's ragged_dot multiplies every row by every group's weights).
 
 Few rows per expert (decode) take ``DECODE_TILE``: a CUDA-core kernel of ours
 (cuda/decode_gemm.h) that streams each active expert's weights once over all SMs, with no setup
@@ -246,12 +248,103 @@ def _on_cuda(native, fallback, *args):
     return lax.platform_dependent(*args, cuda=native, default=fallback)
 
 
+_GROUPED_DOT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def grouped_dot(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, *,
+                preferred_element_type=None) -> jax.Array:
+    """``jax.lax.ragged_dot(rows, weights, group_sizes, preferred_element_type=...)``, without
+    XLA:CPU's waste on CPU.
+
+    rows [M, K], weights [G, K, N], group_sizes [G] (integer): rows [o_g, o_g + group_sizes[g]) of
+    group g (o_g the sum of the sizes before it) times weights[g]; rows past the last group are
+    zero. Returns [M, N] of ``preferred_element_type`` (default: rows' and weights' result type).
+
+    On CPU with the native module (float32/bf16/f16 operands) a C++ kernel multiplies each row by
+    its own group's weights only; XLA:CPU's ``ragged_dot`` multiplies every row by every group's
+    weights and masks (jax 0.10), G times the arithmetic. Each output element is one float32 sum in
+    ascending K, each product and sum rounded to float32 (the same bits on any CPU and thread count);
+    XLA's sum order differs, so results agree with ``ragged_dot`` to float32 rounding. Elsewhere
+    (GPU) it is ``ragged_dot``. Differentiable in reverse mode, its backward on the same kernels
+    (``d rows = d out @ weights[g]^T``, ``d weights[g] = rows_g^T @ d out_g``); not in forward mode.
+    Under ``jax.vmap`` as ``ragged_dot`` (not batched in jax 0.10), whose branch is traced too.
+    """
+    if rows.ndim != 2 or weights.ndim != 3 or rows.shape[1] != weights.shape[1]:
+        raise ValueError(f"grouped_dot: rows, weights: expected rows [M, K] and weights [G, K, N], got "
+                         f"{rows.shape} and {weights.shape}")
+    if group_sizes.shape != (weights.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"grouped_dot: group_sizes: expected an integer array of shape {(weights.shape[0],)}, got "
+                         f"{group_sizes.dtype} {group_sizes.shape}")
+    out_dtype = jnp.dtype(jnp.result_type(rows.dtype, weights.dtype) if preferred_element_type is None
+                          else preferred_element_type)
+    sizes = group_sizes.astype(jnp.int32)
+    if not (_native.HAS_CPU and all(jnp.dtype(a.dtype) in _GROUPED_DOT_DTYPES for a in (rows, weights))
+            and out_dtype in _GROUPED_DOT_DTYPES):
+        return lax.ragged_dot(rows, weights, sizes, preferred_element_type=out_dtype)
+    return _grouped_dot(rows, weights, sizes, out_dtype, False)
+
+
+def _xla_grouped_dot(rows, weights, sizes, out_dtype, transpose_weights: bool):
+    w = jnp.swapaxes(weights, 1, 2) if transpose_weights else weights
+    return lax.ragged_dot(rows, w, sizes, preferred_element_type=out_dtype)
+
+
+def _cpu_grouped_dot(rows, weights, sizes, out_dtype, transpose_weights: bool):
+    """The CPU kernel: ``rows @ weights[g]`` per group, weights [G, K, N] (or [G, N, K] read transposed)."""
+    n = weights.shape[1] if transpose_weights else weights.shape[2]
+    call = jax.ffi.ffi_call(_native.GROUPED_DOT_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), out_dtype),
+                            vmap_method="sequential")
+    return call(rows, weights, sizes, transpose_weights=transpose_weights)
+
+
+def _cpu_weight_grad(rows, d_out, sizes, num_groups: int, out_dtype):
+    """The CPU kernel: ``[G, K, N]``, each group's ``rows_g^T @ d_out_g``, zero for an empty group."""
+    call = jax.ffi.ffi_call(_native.GROUPED_DOT_WEIGHT_GRAD_TARGET,
+                            jax.ShapeDtypeStruct((num_groups, rows.shape[1], d_out.shape[1]), out_dtype),
+                            vmap_method="sequential")
+    return call(rows, d_out, sizes)
+
+
+def _grouped_dot_call(rows, weights, sizes, out_dtype, transpose_weights: bool):
+    return lax.platform_dependent(
+        rows, weights, sizes,
+        cpu=lambda r, w, s: _cpu_grouped_dot(r, w, s, out_dtype, transpose_weights),
+        default=lambda r, w, s: _xla_grouped_dot(r, w, s, out_dtype, transpose_weights))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped_dot(rows, weights, sizes, out_dtype, transpose_weights: bool):
+    return _grouped_dot_call(rows, weights, sizes, out_dtype, transpose_weights)
+
+
+def _grouped_dot_fwd(rows, weights, sizes, out_dtype, transpose_weights):
+    return _grouped_dot_call(rows, weights, sizes, out_dtype, transpose_weights), (rows, weights, sizes)
+
+
+def _grouped_dot_bwd(out_dtype, transpose_weights, residuals, d_out):
+    def cpu(r, w, s, d):
+        d_rows = _cpu_grouped_dot(d, w, s, r.dtype, not transpose_weights)
+        # weights[g] [K, N]: rows_g^T @ d_out_g; read transposed ([N, K]): d_out_g^T @ rows_g.
+        d_weights = (_cpu_weight_grad(d, r, s, w.shape[0], w.dtype) if transpose_weights
+                     else _cpu_weight_grad(r, d, s, w.shape[0], w.dtype))
+        return d_rows, d_weights
+
+    def xla(r, w, s, d):  # JAX's transpose of ragged_dot, as without this rule
+        _, vjp = jax.vjp(lambda r, w: _xla_grouped_dot(r, w, s, out_dtype, transpose_weights), r, w)
+        return vjp(d)
+
+    return (*lax.platform_dependent(*residuals, d_out, cpu=cpu, default=xla), None)
+
+
+_grouped_dot.defvjp(_grouped_dot_fwd, _grouped_dot_bwd)
+
+
 def _group_sizes(offsets):
     return (offsets[1:] - offsets[:-1]).astype(jnp.int32)
 
 
 def _ragged_dot(rows, weights, offsets):
-    return lax.ragged_dot(rows, weights, _group_sizes(offsets), preferred_element_type=jnp.float32)
+    return grouped_dot(rows, weights, _group_sizes(offsets), preferred_element_type=jnp.float32)
 
 
 def forward(rows, weights, offsets, workspace, num_rows: int, tile: int, group_rows: int | None = None):

@@ -1,8 +1,9 @@
 """grouped_matmul: the CUDA grouped GEMM against jax.lax.ragged_dot (issue 8).
 
-On CPU the op is ragged_dot itself, so the CPU tests pin the contract (shapes, zero rows, checks,
-gradients, the layer path); the GPU tests compare the CUTLASS kernel with a float32 ragged_dot
-on the groups a real permute wrote.
+On CPU the op is gemm.grouped_dot (ragged_dot's product on a CPU kernel: tests/test_grouped_dot.py),
+so the CPU tests pin the contract (shapes, zero rows, checks, gradients, the layer path) against
+ragged_dot; the GPU tests compare the CUTLASS kernel with a float32 ragged_dot on the groups a real
+permute wrote.
 """
 
 from __future__ import annotations
