@@ -23,6 +23,9 @@ in its own process before JAX takes the card (``train_suite``). ``train_profile`
 device time per kernel. ``fp8_tile_probe`` and ``fp8_decode_probe`` measure the FP8 kernel choices
 (``gemm.fp8_tile_rows``, ``gemm.fp8_decode_rows``) per call.
 
+``cpu_experts`` (``python -m jax_moe.bench.cpu_experts``, on a CPU) times ``moe_layer``'s default
+experts on ``gemm.grouped_dot``'s CPU kernel against XLA:CPU's ``ragged_dot``.
+
 Suite ``parallel`` (issues 6, 7; not in ``all``): the expert-parallel stack per layer on every
 device JAX sees, its share of time in all-to-all, and the single-device stack of the same problem
 (``parallel_suite``).
