@@ -252,13 +252,15 @@ _GROUPED_DOT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def grouped_dot(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, *,
-                preferred_element_type=None) -> jax.Array:
+                preferred_element_type=None, transpose_weights: bool = False) -> jax.Array:
     """``jax.lax.ragged_dot(rows, weights, group_sizes, preferred_element_type=...)``, without
     XLA:CPU's waste on CPU.
 
     rows [M, K], weights [G, K, N], group_sizes [G] (integer): rows [o_g, o_g + group_sizes[g]) of
     group g (o_g the sum of the sizes before it) times weights[g]; rows past the last group are
     zero. Returns [M, N] of ``preferred_element_type`` (default: rows' and weights' result type).
+    ``transpose_weights``: weights are [G, N, K] and multiply as weights[g]^T (read in place on CPU;
+    an input gradient's or a checkpoint's [out, in] layout, with no transposed copy).
 
     On CPU with the native module (float32/bf16/f16 operands) a C++ kernel multiplies each row by
     its own group's weights only; XLA:CPU's ``ragged_dot`` multiplies every row by every group's
@@ -269,8 +271,9 @@ def grouped_dot(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, *,
     (``d rows = d out @ weights[g]^T``, ``d weights[g] = rows_g^T @ d out_g``); not in forward mode.
     Under ``jax.vmap`` as ``ragged_dot`` (not batched in jax 0.10), whose branch is traced too.
     """
-    if rows.ndim != 2 or weights.ndim != 3 or rows.shape[1] != weights.shape[1]:
-        raise ValueError(f"grouped_dot: rows, weights: expected rows [M, K] and weights [G, K, N], got "
+    if rows.ndim != 2 or weights.ndim != 3 or rows.shape[1] != weights.shape[2 if transpose_weights else 1]:
+        layout = "[G, N, K] (transpose_weights)" if transpose_weights else "[G, K, N]"
+        raise ValueError(f"grouped_dot: rows, weights: expected rows [M, K] and weights {layout}, got "
                          f"{rows.shape} and {weights.shape}")
     if group_sizes.shape != (weights.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"grouped_dot: group_sizes: expected an integer array of shape {(weights.shape[0],)}, got "
@@ -280,8 +283,8 @@ def grouped_dot(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, *,
     sizes = group_sizes.astype(jnp.int32)
     if not (_native.HAS_CPU and all(jnp.dtype(a.dtype) in _GROUPED_DOT_DTYPES for a in (rows, weights))
             and out_dtype in _GROUPED_DOT_DTYPES):
-        return lax.ragged_dot(rows, weights, sizes, preferred_element_type=out_dtype)
-    return _grouped_dot(rows, weights, sizes, out_dtype, False)
+        return _xla_grouped_dot(rows, weights, sizes, out_dtype, transpose_weights)
+    return _grouped_dot(rows, weights, sizes, out_dtype, transpose_weights)
 
 
 def _xla_grouped_dot(rows, weights, sizes, out_dtype, transpose_weights: bool):
@@ -343,8 +346,9 @@ def _group_sizes(offsets):
     return (offsets[1:] - offsets[:-1]).astype(jnp.int32)
 
 
-def _ragged_dot(rows, weights, offsets):
-    return grouped_dot(rows, weights, _group_sizes(offsets), preferred_element_type=jnp.float32)
+def _ragged_dot(rows, weights, offsets, transpose_weights: bool = False):
+    return grouped_dot(rows, weights, _group_sizes(offsets), preferred_element_type=jnp.float32,
+                       transpose_weights=transpose_weights)
 
 
 def forward(rows, weights, offsets, workspace, num_rows: int, tile: int, group_rows: int | None = None):
@@ -433,7 +437,7 @@ def input_grad(d_out, weights, offsets, workspace, num_rows: int, tile: int):
     Returns ``(d_rows, workspace)``, d_rows in d_out's dtype (float32 accumulation).
     """
     def fallback(g, w, o, ws):
-        return _ragged_dot(g[:num_rows], jnp.swapaxes(w, 1, 2), o).astype(g.dtype), ws
+        return _ragged_dot(g[:num_rows], w, o, transpose_weights=True).astype(g.dtype), ws
 
     return _on_cuda(lambda g, w, o, ws: _call(INPUT_GRAD, g, w, o, ws, (num_rows, w.shape[1]), tile),
                     fallback, d_out, weights, offsets, workspace)
@@ -637,8 +641,8 @@ def fp8_dequantized_matmul(rows, weights_nk, scale_nk, offsets, num_rows: int):
     ``fp8.straight_through_rows(rows)`` @ dequantised weights^T, float32 accumulation (``ragged_dot``).
     Differentiable in rows (the rows' quantisation passes the gradient through)."""
     a = fp8.straight_through_rows(rows[:num_rows])
-    b = jnp.swapaxes(fp8.dequantize(lax.stop_gradient(weights_nk), lax.stop_gradient(scale_nk), jnp.float32), -1, -2)
-    return _ragged_dot(a, b, offsets).astype(rows.dtype)
+    b = fp8.dequantize(lax.stop_gradient(weights_nk), lax.stop_gradient(scale_nk), jnp.float32)  # [El, N, K]
+    return _ragged_dot(a, b, offsets, transpose_weights=True).astype(rows.dtype)
 
 
 # The FP8 decode kernel (cuda/decode_gemm.h, LaunchFp8DecodeSwiglu): both projections in two
@@ -800,7 +804,7 @@ def fp8_swiglu_quantized_forward(q_rows, row_scale, gate_up, gate_up_scale, down
 
     def fallback(q, s, gu, gus, d, ds, o, ws):  # fp8_swiglu_dequantized's math from the quantised rows
         a = fp8.dequantize_rows(q[:num_rows], s[:num_rows], jnp.float32)
-        hidden = _ragged_dot(a, jnp.swapaxes(fp8.dequantize(gu, gus, jnp.float32), -1, -2), o).astype(jnp.bfloat16)
+        hidden = _ragged_dot(a, fp8.dequantize(gu, gus, jnp.float32), o, transpose_weights=True).astype(jnp.bfloat16)
         return fp8_dequantized_matmul(gated_silu(hidden, jnp.bfloat16), d, ds, o, num_rows), ws
 
     def native(q, s, gu, gus, d, ds, o, ws):

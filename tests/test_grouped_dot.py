@@ -118,6 +118,30 @@ def test_backward_kernels_sum_in_ascending_order():
 
 
 @ON_CPU_KERNEL
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
+def test_transposed_weights_are_the_swapped_product(dtype):
+    """transpose_weights: weights [G, N, K] multiply as weights[g]^T, forward and gradients."""
+    rows, weights, sizes = _case(5, 33, 24, 40, dtype, seed=5)
+    sizes = jnp.asarray(sizes)
+    weights_nk = jnp.swapaxes(weights, 1, 2)
+    cot = jax.random.normal(jax.random.key(2), (33, 40), jnp.float32)
+
+    def loss(r, w, transpose):
+        out = gemm.grouped_dot(r, w, sizes, preferred_element_type=jnp.float32, transpose_weights=transpose)
+        return jnp.sum(out * cot), out
+
+    (_, got), (d_rows, d_nk) = jax.jit(jax.value_and_grad(lambda r, w: loss(r, w, True), argnums=(0, 1),
+                                                          has_aux=True))(rows, weights_nk)
+    (_, want), (e_rows, e_kn) = jax.jit(jax.value_and_grad(lambda r, w: loss(r, w, False), argnums=(0, 1),
+                                                           has_aux=True))(rows, weights)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # the same sums in the same order
+    np.testing.assert_array_equal(np.asarray(d_rows, np.float32), np.asarray(e_rows, np.float32))
+    np.testing.assert_array_equal(np.asarray(d_nk, np.float32), np.asarray(jnp.swapaxes(e_kn, 1, 2), np.float32))
+    with pytest.raises(ValueError, match=r"weights \[G, N, K\] \(transpose_weights\)"):
+        gemm.grouped_dot(rows, weights, sizes, transpose_weights=True)
+
+
+@ON_CPU_KERNEL
 def test_cpu_lowering_is_the_kernel_not_a_ragged_dot():
     rows, weights, sizes = _case(4, 16, 8, 8, jnp.bfloat16)
     text = jax.jit(lambda r, w, s: gemm.grouped_dot(r, w, s)).lower(rows, weights, jnp.asarray(sizes)).as_text()
