@@ -49,14 +49,20 @@ def _sequential(a, b_groups, sizes):
     return out
 
 
+# (G, M, K, N): one panel of each; and K, N and a group's rows past the kernel's panel depth (128),
+# panel width (256) and row block (64), so its sums continue from panel to panel.
+SHAPES = ((5, 29, 24, 40), (3, 200, 300, 280))
+
+
 @ON_CPU_KERNEL
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("out_dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: "out-" + jnp.dtype(d).name)
-def test_each_element_is_the_ascending_float32_sum(dtype, out_dtype):
-    rows, weights, sizes = _case(5, 29, 24, 40, dtype)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "G%d-M%d-K%d-N%d" % s)
+def test_each_element_is_the_ascending_float32_sum(dtype, out_dtype, shape):
+    rows, weights, sizes = _case(*shape, dtype)
     out = jax.jit(lambda r, w, s: gemm.grouped_dot(r, w, s, preferred_element_type=out_dtype))(
         rows, weights, jnp.asarray(sizes))
-    assert out.dtype == out_dtype and out.shape == (29, 40)
+    assert out.dtype == out_dtype and out.shape == (shape[1], shape[3])
     want = _sequential(rows, list(weights), sizes).astype(out_dtype)
     np.testing.assert_array_equal(np.asarray(out), want)
     assert not np.asarray(out[sizes.sum():], np.float32).any()  # rows past the groups
@@ -102,18 +108,21 @@ def test_gradients_match_ragged_dots(dtype):
 
 
 @ON_CPU_KERNEL
-def test_backward_kernels_sum_in_ascending_order():
+@pytest.mark.parametrize("shape", ((4, 23, 16, 24), (3, 330, 300, 140)), ids=lambda s: "G%d-M%d-K%d-N%d" % s)
+def test_backward_kernels_sum_in_ascending_order(shape):
     """d rows = d out @ w[g]^T (the kernel reading the weights transposed) and d w[g] = rows_g^T @
-    d out_g, each element one ascending float32 sum, bitwise."""
-    rows, weights, sizes = _case(4, 23, 16, 24, jnp.float32, seed=3)
-    cot = jax.random.normal(jax.random.key(1), (23, 24), jnp.float32)
+    d out_g, each element one ascending float32 sum, bitwise (the second shape's groups hold over
+    128 rows: the weight gradient's sums cross panels)."""
+    num_groups, num_rows, k, n = shape
+    rows, weights, sizes = _case(*shape, jnp.float32, seed=3)
+    cot = jax.random.normal(jax.random.key(1), (num_rows, n), jnp.float32)
     d_rows, d_weights = jax.jit(jax.grad(
         lambda r, w: jnp.sum(gemm.grouped_dot(r, w, jnp.asarray(sizes)) * cot), argnums=(0, 1)))(rows, weights)
     np.testing.assert_array_equal(np.asarray(d_rows), _sequential(cot, [w.T for w in np.asarray(weights)], sizes))
     starts = np.concatenate([[0], np.cumsum(sizes)])
-    for g in range(4):
+    for g in range(num_groups):
         segment = slice(starts[g], starts[g + 1])
-        want = _sequential(np.asarray(rows)[segment].T, [np.asarray(cot)[segment]], [16])
+        want = _sequential(np.asarray(rows)[segment].T, [np.asarray(cot)[segment]], [k])
         np.testing.assert_array_equal(np.asarray(d_weights[g]), want)
 
 
