@@ -342,6 +342,22 @@ def _grouped_dot_bwd(out_dtype, transpose_weights, residuals, d_out):
 _grouped_dot.defvjp(_grouped_dot_fwd, _grouped_dot_bwd)
 
 
+def _grouped_weight_grad(rows, d_out, sizes, num_groups: int, out_dtype):
+    """``[G, K, N]`` of out_dtype: each group's ``rows_g^T @ d_out_g`` (float32 sums), zero for an
+    empty group: the CPU kernel, or JAX's transpose of ``ragged_dot`` (on other devices, or dtypes
+    the kernel does not take)."""
+    def xla(r, d, s):
+        zeros = jnp.zeros((num_groups, r.shape[1], d.shape[1]), r.dtype)
+        _, vjp = jax.vjp(lambda w: lax.ragged_dot(r, w, s, preferred_element_type=jnp.float32), zeros)
+        return vjp(d.astype(jnp.float32))[0].astype(out_dtype)
+
+    if not (_native.HAS_CPU and all(jnp.dtype(a.dtype) in _GROUPED_DOT_DTYPES for a in (rows, d_out))
+            and jnp.dtype(out_dtype) in _GROUPED_DOT_DTYPES):
+        return xla(rows, d_out, sizes)
+    return lax.platform_dependent(rows, d_out, sizes, default=xla,
+                                  cpu=lambda r, d, s: _cpu_weight_grad(r, d, s, num_groups, out_dtype))
+
+
 def _group_sizes(offsets):
     return (offsets[1:] - offsets[:-1]).astype(jnp.int32)
 
@@ -449,10 +465,8 @@ def weight_grad(rows, d_out, offsets, workspace, num_groups: int):
     rows [R, K] and d_out [R, N] share their row order (the groups of offsets). Returns
     ``(d_weights, workspace)``, d_weights in rows' dtype (float32 accumulation).
     """
-    def fallback(r, g, o, ws):
-        zeros = jnp.zeros((num_groups, r.shape[1], g.shape[1]), r.dtype)
-        _, vjp = jax.vjp(lambda w: _ragged_dot(r, w, o), zeros)
-        return vjp(g.astype(jnp.float32))[0].astype(r.dtype), ws
+    def fallback(r, g, o, ws):  # the weight gradient alone, not a vjp that also forms d rows
+        return _grouped_weight_grad(r, g, _group_sizes(o), num_groups, r.dtype), ws
 
     return _on_cuda(lambda r, g, o, ws: _call(WEIGHT_GRAD, r, g, o, ws, (num_groups, r.shape[1], g.shape[1]),
                                               LARGE_M_TILE),
