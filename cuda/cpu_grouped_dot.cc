@@ -4,15 +4,20 @@
 //   GroupedDot:           out[i] = rows[i] @ w[g(i)]  (w [G, K, N], or [G, N, K] read transposed);
 //                         rows past the last group come out zero.
 //   GroupedDotWeightGrad: dw[g] = rows_g^T @ d_out_g  ([G, K, N]); zero for an empty group.
+//   Fp8GroupedDot:        GroupedDot with float8_e4m3fn weights scaled per 128 x 128 block (DeepSeek-V3's
+//                         `weight` and `weight_scale_inv`), each weight dequantised as it is packed: the
+//                         float32 product q * scale, XLA's rounding of jax_moe.fp8.dequantize.
 // Every output element is one float32 sum over the reduction index in ascending order, each product
 // and each sum rounded to float32 (built with -ffp-contract=off), subnormals kept: the same bits
 // whatever the blocking, thread count or vector width. The work is split over XLA's intra-op
 // thread pool in blocks of output rows, each block computed whole by one thread.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -34,12 +39,35 @@ constexpr int64_t kPanelCols = 256;   // output columns of a packed panel of B .
 constexpr int64_t kPanelDepth = 128;  // ... and its rows (of the reduction): 128 KB of float32
 
 // A strided matrix view: element (i, j) at data[i * stride_i + j * stride_j], of type `type`.
+// F8E4M3FN views carry block scales: element (i, j) is multiplied by
+// scale[(i / 128) * scale_i + (j / 128) * scale_j].
 struct View {
   const void* data;
   ffi::DataType type;
   int64_t stride_i, stride_j;
+  const float* scale = nullptr;
+  int64_t scale_i = 0, scale_j = 0;
 };
 
+constexpr int64_t kScaleBlock = 128;  // the FP8 weights' block edge (jax_moe.fp8.BLOCK)
+
+// float8_e4m3fn's 256 values as float32 (all exact): no infinities, S.1111.111 is NaN.
+const float* E4m3Values() {
+  static const std::vector<float> values = [] {
+    std::vector<float> v(256);
+    for (int b = 0; b < 256; ++b) {
+      const int exponent = (b >> 3) & 15, mantissa = b & 7;
+      float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
+                                      : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+      if (exponent == 15 && mantissa == 7) magnitude = std::numeric_limits<float>::quiet_NaN();
+      v[b] = b & 128 ? -magnitude : magnitude;
+    }
+    return v;
+  }();
+  return values.data();
+}
+
+// convert(value, i, j): element (i0 + i, j0 + j)'s float32 value.
 template <typename T, typename Convert>
 void PackWith(const View& v, const T* p, int64_t i0, int64_t rows, int64_t j0, int64_t cols, int64_t width,
               float* dst, Convert convert) {
@@ -51,15 +79,15 @@ void PackWith(const View& v, const T* p, int64_t i0, int64_t rows, int64_t j0, i
       for (int64_t jb = 0; jb < cols; jb += kBlock)
         for (int64_t i = ib; i < std::min(rows, ib + kBlock); ++i)
           for (int64_t j = jb; j < std::min(cols, jb + kBlock); ++j)
-            dst[j * width + i] = convert(src[i * v.stride_i + j]);
+            dst[j * width + i] = convert(src[i * v.stride_i + j], i, j);
   } else {
     for (int64_t j = 0; j < cols; ++j) {
       float* out = dst + j * width;
       const T* column = src + j * v.stride_j;
       if (v.stride_i == 1) {  // contiguous: a loop the compiler vectorises
-        for (int64_t i = 0; i < rows; ++i) out[i] = convert(column[i]);
+        for (int64_t i = 0; i < rows; ++i) out[i] = convert(column[i], i, j);
       } else {
-        for (int64_t i = 0; i < rows; ++i) out[i] = convert(column[i * v.stride_i]);
+        for (int64_t i = 0; i < rows; ++i) out[i] = convert(column[i * v.stride_i], i, j);
       }
     }
   }
@@ -72,13 +100,24 @@ void PackWith(const View& v, const T* p, int64_t i0, int64_t rows, int64_t j0, i
 void Pack(const View& v, int64_t i0, int64_t rows, int64_t j0, int64_t cols, int64_t width, float* dst) {
   switch (v.type) {
     case ffi::F32:
-      PackWith(v, static_cast<const float*>(v.data), i0, rows, j0, cols, width, dst, [](float x) { return x; });
+      PackWith(v, static_cast<const float*>(v.data), i0, rows, j0, cols, width, dst,
+               [](float x, int64_t, int64_t) { return x; });
       return;
     case ffi::BF16:
-      PackWith(v, static_cast<const uint16_t*>(v.data), i0, rows, j0, cols, width, dst, Bf16ToFloat);
+      PackWith(v, static_cast<const uint16_t*>(v.data), i0, rows, j0, cols, width, dst,
+               [](uint16_t x, int64_t, int64_t) { return Bf16ToFloat(x); });
       return;
+    case ffi::F8E4M3FN: {
+      const float* values = E4m3Values();
+      PackWith(v, static_cast<const uint8_t*>(v.data), i0, rows, j0, cols, width, dst,
+               [&](uint8_t x, int64_t i, int64_t j) {
+                 return values[x] * v.scale[(i0 + i) / kScaleBlock * v.scale_i + (j0 + j) / kScaleBlock * v.scale_j];
+               });
+      return;
+    }
     default:  // F16 (the handlers admit no other type)
-      PackWith(v, static_cast<const uint16_t*>(v.data), i0, rows, j0, cols, width, dst, F16ToFloat);
+      PackWith(v, static_cast<const uint16_t*>(v.data), i0, rows, j0, cols, width, dst,
+               [](uint16_t x, int64_t, int64_t) { return F16ToFloat(x); });
       return;
   }
 }
@@ -150,7 +189,7 @@ void ProductBlock(const View& a, const View& b, int64_t i0, int64_t rows, int64_
     const int64_t first = t * kTileRows;
     Pack(a, i0 + first, std::min(kTileRows, rows - first), 0, depth, kTileRows, packs.a.data() + t * depth * kTileRows);
   }
-  const View bt{b.data, b.type, b.stride_j, b.stride_i};  // B^T: Pack(bt, ...) lays B's rows out whole
+  const View bt{b.data, b.type, b.stride_j, b.stride_i, b.scale, b.scale_j, b.scale_i};  // B^T: Pack(bt, ...) lays B's rows out whole
   for (int64_t n0 = 0; n0 < cols; n0 += kPanelCols) {
     const int64_t panel_cols = std::min(kPanelCols, cols - n0);
     const int64_t col_tiles = (panel_cols + kTileCols - 1) / kTileCols, width = col_tiles * kTileCols;
@@ -220,6 +259,25 @@ std::vector<int64_t> GroupStarts(const int32_t* sizes, int64_t groups, int64_t r
   return start;
 }
 
+// out = each group's rows @ B_g, B_g = b_of(g) ([K, N] as a view); rows past the last group zero.
+template <typename GroupView>
+void GroupedProduct(ffi::ThreadPool& pool, ffi::AnyBuffer rows, const int32_t* sizes, int64_t groups, int64_t n,
+                    ffi::Result<ffi::AnyBuffer>& out, const GroupView& b_of) {
+  const int64_t m = rows.dimensions()[0], k = rows.dimensions()[1];
+  const std::vector<int64_t> start = GroupStarts(sizes, groups, m);
+  std::vector<Block> blocks;  // rows of one group
+  for (int64_t g = 0; g < groups; ++g) AddBlocks(blocks, g, start[g], start[g + 1]);
+  const View a{rows.untyped_data(), rows.element_type(), k, 1};
+  char* result = static_cast<char*>(out->untyped_data());
+  const ffi::DataType out_type = out->element_type();
+  ParallelFor(pool, static_cast<int64_t>(blocks.size()), [&](int64_t t, Packs& packs) {
+    const Block& block = blocks[t];
+    ProductBlock(a, b_of(block.group), block.first, block.rows, n, k, result, out_type, n, packs);
+  });
+  // Rows in no group: zero (ragged_dot's rule).
+  std::fill(result + start[groups] * n * Bytes(out_type), result + m * n * Bytes(out_type), 0);
+}
+
 ffi::Error GroupedDotImpl(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out, bool transpose_weights) {
   const auto r = rows.dimensions(), w = weights.dimensions(), o = out->dimensions();
@@ -227,27 +285,47 @@ ffi::Error GroupedDotImpl(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuf
       group_sizes.dimensions()[0] != w[0] || o[0] != r[0])
     return InvalidArgument("grouped_dot: expected rows [M, K], weights [G, K, N] ([G, N, K] transposed), "
                            "group_sizes [G] and out [M, N]");
-  const int64_t m = r[0], k = r[1], groups = w[0];
+  const int64_t k = r[1], groups = w[0];
   const int64_t n = transpose_weights ? w[1] : w[2];
   if ((transpose_weights ? w[2] : w[1]) != k || o[1] != n)
     return InvalidArgument("grouped_dot: K or N of rows, weights and out disagree");
   if (!IsFloat(rows.element_type()) || !IsFloat(weights.element_type()) || !IsFloat(out->element_type()))
     return InvalidArgument("grouped_dot: rows, weights and out must be float32, bfloat16 or float16");
-  const std::vector<int64_t> start = GroupStarts(group_sizes.typed_data(), groups, m);
-  std::vector<Block> blocks;  // rows of one group
-  for (int64_t g = 0; g < groups; ++g) AddBlocks(blocks, g, start[g], start[g + 1]);
-  const View a{rows.untyped_data(), rows.element_type(), k, 1};
-  char* result = static_cast<char*>(out->untyped_data());
-  const ffi::DataType w_type = weights.element_type(), out_type = out->element_type();
-  ParallelFor(pool, static_cast<int64_t>(blocks.size()), [&](int64_t t, Packs& packs) {
-    const Block& block = blocks[t];
-    const char* w = static_cast<const char*>(weights.untyped_data()) + block.group * k * n * Bytes(w_type);
+  const ffi::DataType w_type = weights.element_type();
+  GroupedProduct(pool, rows, group_sizes.typed_data(), groups, n, out, [&](int64_t g) {
+    const char* data = static_cast<const char*>(weights.untyped_data()) + g * k * n * Bytes(w_type);
     // B(r, j): w[g][r][j] ([K, N]) or w[g][j][r] ([N, K]).
-    const View b = transpose_weights ? View{w, w_type, 1, k} : View{w, w_type, n, 1};
-    ProductBlock(a, b, block.first, block.rows, n, k, result, out_type, n, packs);
+    return transpose_weights ? View{data, w_type, 1, k} : View{data, w_type, n, 1};
   });
-  // Rows in no group: zero (ragged_dot's rule).
-  std::fill(result + start[groups] * n * Bytes(out_type), result + m * n * Bytes(out_type), 0);
+  return ffi::Error::Success();
+}
+
+int64_t ScaleBlocks(int64_t size) { return (size + kScaleBlock - 1) / kScaleBlock; }
+
+ffi::Error Fp8GroupedDotImpl(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
+                             ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
+                             ffi::Result<ffi::AnyBuffer> out, bool transpose_weights) {
+  const auto r = rows.dimensions(), w = weights.dimensions(), s = scale.dimensions(), o = out->dimensions();
+  if (r.size() != 2 || w.size() != 3 || s.size() != 3 || o.size() != 2 || group_sizes.dimensions().size() != 1 ||
+      group_sizes.dimensions()[0] != w[0] || o[0] != r[0] || s[0] != w[0] || s[1] != ScaleBlocks(w[1]) ||
+      s[2] != ScaleBlocks(w[2]))
+    return InvalidArgument("fp8_grouped_dot: expected rows [M, K], weights [G, K, N] ([G, N, K] transposed), "
+                           "scale [G, ceil(dim 1 / 128), ceil(dim 2 / 128)] of the weights, group_sizes [G] and "
+                           "out [M, N]");
+  const int64_t k = r[1], groups = w[0];
+  const int64_t n = transpose_weights ? w[1] : w[2];
+  if ((transpose_weights ? w[2] : w[1]) != k || o[1] != n)
+    return InvalidArgument("fp8_grouped_dot: K or N of rows, weights and out disagree");
+  if (!IsFloat(rows.element_type()) || weights.element_type() != ffi::F8E4M3FN || !IsFloat(out->element_type()))
+    return InvalidArgument("fp8_grouped_dot: rows and out must be float32, bfloat16 or float16, weights "
+                           "float8_e4m3fn");
+  GroupedProduct(pool, rows, group_sizes.typed_data(), groups, n, out, [&](int64_t g) {
+    const uint8_t* data = static_cast<const uint8_t*>(weights.untyped_data()) + g * k * n;
+    const float* block_scale = scale.typed_data() + g * s[1] * s[2];
+    // B(r, j): w[g][r][j] with scale[g][r / 128][j / 128], or w[g][j][r] with scale[g][j / 128][r / 128].
+    return transpose_weights ? View{data, ffi::F8E4M3FN, 1, k, block_scale, 1, s[2]}
+                             : View{data, ffi::F8E4M3FN, n, 1, block_scale, s[2], 1};
+  });
   return ffi::Error::Success();
 }
 
@@ -290,6 +368,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeGroupedDotCpu, jax_moe::GroupedDotImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()           // rows [M, K]
                                   .Arg<ffi::AnyBuffer>()           // weights [G, K, N] ([G, N, K] transposed)
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // group_sizes [G]
+                                  .Ret<ffi::AnyBuffer>()           // out [M, N]
+                                  .Attr<bool>("transpose_weights"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8GroupedDotCpu, jax_moe::Fp8GroupedDotImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()           // rows [M, K]
+                                  .Arg<ffi::AnyBuffer>()           // weights [G, K, N] ([G, N, K] transposed) e4m3
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // scale: the weights' 128 x 128 blocks
                                   .Arg<ffi::Buffer<ffi::S32>>()    // group_sizes [G]
                                   .Ret<ffi::AnyBuffer>()           // out [M, N]
                                   .Attr<bool>("transpose_weights"));

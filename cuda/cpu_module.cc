@@ -21,6 +21,7 @@ PYBIND11_MODULE(_jax_moe_cpu, m) {
     handlers["jax_moe_uninitialized"] = Capsule(JaxMoeUninitializedCpu);
     handlers["jax_moe_grouped_dot"] = Capsule(JaxMoeGroupedDotCpu);
     handlers["jax_moe_grouped_dot_weight_grad"] = Capsule(JaxMoeGroupedDotWeightGradCpu);
+    handlers["jax_moe_fp8_grouped_dot"] = Capsule(JaxMoeFp8GroupedDotCpu);
     return handlers;
   });
 }

@@ -14,6 +14,7 @@ XLA_FFI_Error* JaxMoeCopyCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUninitializedCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeGroupedDotCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeGroupedDotWeightGradCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeFp8GroupedDotCpu(XLA_FFI_CallFrame* call_frame);
 }
 
 #endif  // JAX_MOE_CPU_OPS_H_

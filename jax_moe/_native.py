@@ -28,6 +28,7 @@ SWIGLU_BACKWARD_TARGET = "jax_moe_swiglu_backward"  # CUDA only
 UNINITIALIZED_TARGET = "jax_moe_uninitialized"
 GROUPED_DOT_TARGET = "jax_moe_grouped_dot"  # CPU only
 GROUPED_DOT_WEIGHT_GRAD_TARGET = "jax_moe_grouped_dot_weight_grad"  # CPU only
+FP8_GROUPED_DOT_TARGET = "jax_moe_fp8_grouped_dot"  # CPU only
 
 
 def _register(module_name: str, platform: str):

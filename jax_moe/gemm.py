@@ -655,8 +655,64 @@ def fp8_dequantized_matmul(rows, weights_nk, scale_nk, offsets, num_rows: int):
     ``fp8.straight_through_rows(rows)`` @ dequantised weights^T, float32 accumulation (``ragged_dot``).
     Differentiable in rows (the rows' quantisation passes the gradient through)."""
     a = fp8.straight_through_rows(rows[:num_rows])
-    b = fp8.dequantize(lax.stop_gradient(weights_nk), lax.stop_gradient(scale_nk), jnp.float32)  # [El, N, K]
-    return _ragged_dot(a, b, offsets, transpose_weights=True).astype(rows.dtype)
+    return _dequantized_grouped_dot(a, weights_nk, scale_nk, offsets).astype(rows.dtype)
+
+
+def _dequantized_grouped_dot(rows, weights_nk, scale_nk, offsets):
+    """``[M, N]`` float32: each group's float32 rows [M, K] @ ``fp8.dequantize(weights_nk[g],
+    scale_nk[g])^T`` (weights [El, N, K] float8_e4m3fn, scale [El, N/128, K/128]), as ``grouped_dot``
+    of the dequantised weights, transposed. Differentiable in rows only (FP8 weights are constants).
+
+    On CPU with the native module, one kernel reads the FP8 weights in place, dequantising each as
+    it is packed (the same float32 product as ``fp8.dequantize``, so the same bits unless a
+    dequantised weight is subnormal, which XLA's CPU code flushes to zero and the kernel keeps): no
+    float32 copy of the experts, 4x their FP8 bytes. Its gradient reads them in place too."""
+    weights_nk, scale_nk = lax.stop_gradient(weights_nk), lax.stop_gradient(scale_nk)
+    sizes = _group_sizes(offsets)
+    if (_native.HAS_CPU and jnp.dtype(rows.dtype) in _GROUPED_DOT_DTYPES and jnp.dtype(weights_nk.dtype) == fp8.FP8
+            and jnp.dtype(scale_nk.dtype) == jnp.float32):
+        return _fp8_grouped_dot(rows, weights_nk, scale_nk, sizes)
+    return _xla_dequantized_grouped_dot(rows, weights_nk, scale_nk, sizes)
+
+
+def _xla_dequantized_grouped_dot(rows, weights_nk, scale_nk, sizes):
+    return grouped_dot(rows, fp8.dequantize(weights_nk, scale_nk, jnp.float32), sizes,
+                       preferred_element_type=jnp.float32, transpose_weights=True)
+
+
+def _cpu_fp8_grouped_dot(rows, weights, scale, sizes, transpose_weights: bool):
+    """The CPU kernel: ``rows @ dequantize(weights[g], scale[g])`` per group, float32 out (weights
+    [El, K, N], or [El, N, K] read transposed; scale over the weights' own 128 x 128 blocks)."""
+    n = weights.shape[1] if transpose_weights else weights.shape[2]
+    call = jax.ffi.ffi_call(_native.FP8_GROUPED_DOT_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(rows, weights, scale, sizes, transpose_weights=transpose_weights)
+
+
+@jax.custom_vjp
+def _fp8_grouped_dot(rows, weights_nk, scale_nk, sizes):
+    return lax.platform_dependent(rows, weights_nk, scale_nk, sizes, default=_xla_dequantized_grouped_dot,
+                                  cpu=lambda r, w, s, g: _cpu_fp8_grouped_dot(r, w, s, g, True))
+
+
+def _fp8_grouped_dot_fwd(rows, weights_nk, scale_nk, sizes):
+    return _fp8_grouped_dot(rows, weights_nk, scale_nk, sizes), (rows, weights_nk, scale_nk, sizes)
+
+
+def _fp8_grouped_dot_bwd(residuals, d_out):
+    rows, weights_nk, scale_nk, sizes = residuals
+
+    def cpu(r, w, s, g, d):  # d rows = d out @ dequantised weights[g] ([N, K]), read in place
+        return _cpu_fp8_grouped_dot(d, w, s, g, False).astype(r.dtype)
+
+    def xla(r, w, s, g, d):
+        return jax.vjp(lambda r: _xla_dequantized_grouped_dot(r, w, s, g), r)[1](d)[0]
+
+    d_rows = lax.platform_dependent(rows, weights_nk, scale_nk, sizes, d_out, cpu=cpu, default=xla)
+    return d_rows, None, None, None  # FP8 weights and their scales are constants (inference only)
+
+
+_fp8_grouped_dot.defvjp(_fp8_grouped_dot_fwd, _fp8_grouped_dot_bwd)
 
 
 # The FP8 decode kernel (cuda/decode_gemm.h, LaunchFp8DecodeSwiglu): both projections in two
@@ -818,7 +874,7 @@ def fp8_swiglu_quantized_forward(q_rows, row_scale, gate_up, gate_up_scale, down
 
     def fallback(q, s, gu, gus, d, ds, o, ws):  # fp8_swiglu_dequantized's math from the quantised rows
         a = fp8.dequantize_rows(q[:num_rows], s[:num_rows], jnp.float32)
-        hidden = _ragged_dot(a, fp8.dequantize(gu, gus, jnp.float32), o, transpose_weights=True).astype(jnp.bfloat16)
+        hidden = _dequantized_grouped_dot(a, gu, gus, o).astype(jnp.bfloat16)
         return fp8_dequantized_matmul(gated_silu(hidden, jnp.bfloat16), d, ds, o, num_rows), ws
 
     def native(q, s, gu, gus, d, ds, o, ws):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_moe import _native, gemm
+from jax_moe import _native, fp8, gemm
 
 ON_CPU_KERNEL = pytest.mark.skipif(not (_native.HAS_CPU and jax.default_backend() == "cpu"),
                                    reason="the CPU kernel runs where the native CPU module drives the default device")
@@ -178,3 +178,60 @@ def test_rejects_bad_arguments():
         gemm.grouped_dot(rows, weights, jnp.asarray(sizes[:2]))
     with pytest.raises(ValueError, match="grouped_dot: group_sizes: expected an integer array"):
         gemm.grouped_dot(rows, weights, jnp.asarray(sizes, jnp.float32))
+
+
+# ---- FP8 weights read in place: gemm._dequantized_grouped_dot, the FP8 layers' CPU math ----------
+# (G, M, K, N): K and N off the 128-wide scale blocks (partial blocks); and past the kernel's panels.
+FP8_SHAPES = ((5, 29, 136, 200), (3, 200, 300, 280))
+
+
+def _fp8_case(shape, dtype, seed=0):
+    """rows [M, K] of dtype, FP8 weights [G, N, K] with their block scales, offsets [G + 1], sizes."""
+    rows, weights, sizes = _case(*shape, jnp.float32, seed=seed)
+    q, scale = fp8.quantize(jnp.swapaxes(weights, 1, 2))
+    offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
+    return rows.astype(dtype), q, scale, offsets, sizes
+
+
+def _dequantized_copy(rows, q, scale, offsets):
+    """The path the kernel replaces: a float32 copy of the dequantised weights, then grouped_dot."""
+    return gemm._xla_dequantized_grouped_dot(rows, q, scale, gemm._group_sizes(offsets))
+
+
+def _bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+@ON_CPU_KERNEL
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "G%d-M%d-K%d-N%d" % s)
+def test_fp8_weights_in_place_give_the_dequantised_bits(dtype, shape):
+    """Forward: the NumPy emulation's bits (ascending float32 sums of the rows times q * scale, each
+    a float32 product) and the dequantised copy's; the rows' gradient: the copy path's bits."""
+    rows, q, scale, offsets, sizes = _fp8_case(shape, dtype)
+    got = jax.jit(gemm._dequantized_grouped_dot)(rows, q, scale, offsets)
+    deq = np.asarray(q, np.float32) * np.repeat(np.repeat(np.asarray(scale), 128, 1), 128, 2)[:, :q.shape[1], :q.shape[2]]
+    np.testing.assert_array_equal(_bits(got), _bits(_sequential(rows, [d.T for d in deq], sizes)))
+    np.testing.assert_array_equal(_bits(got), _bits(jax.jit(_dequantized_copy)(rows, q, scale, offsets)))
+    assert not np.asarray(got)[int(sizes.sum()):].any() and np.asarray(got).any()
+    loss = lambda f: jax.jit(jax.grad(lambda r: jnp.sum(f(r, q, scale, offsets) ** 2)))(rows)
+    d_kernel, d_copy = loss(gemm._dequantized_grouped_dot), loss(_dequantized_copy)
+    assert d_kernel.dtype == rows.dtype and np.asarray(d_kernel, np.float32).any()
+    np.testing.assert_array_equal(_bits(d_kernel), _bits(d_copy))
+
+
+@ON_CPU_KERNEL
+def test_fp8_weights_in_place_need_no_float32_copy():
+    """The compiled forward and gradient hold no float32 copy of the experts (the copy path's temporaries
+    are at least that), and lower to the FP8 kernel."""
+    rows, q, scale, offsets, _ = _fp8_case((8, 80, 256, 512), jnp.float32)
+    copy_bytes = q.size * 4
+    for name, f in (("kernel", gemm._dequantized_grouped_dot), ("copy", _dequantized_copy)):
+        for program in (f, jax.grad(lambda r, q, s, o, f=f: jnp.sum(f(r, q, s, o) ** 2))):
+            lowered = jax.jit(program).lower(rows, q, scale, offsets)
+            temp = lowered.compile().memory_analysis().temp_size_in_bytes
+            if name == "kernel":
+                assert _native.FP8_GROUPED_DOT_TARGET in lowered.as_text()
+                assert temp < copy_bytes // 8, temp
+            else:
+                assert temp >= copy_bytes, temp
