@@ -189,7 +189,8 @@ void ProductBlock(const View& a, const View& b, int64_t i0, int64_t rows, int64_
     const int64_t first = t * kTileRows;
     Pack(a, i0 + first, std::min(kTileRows, rows - first), 0, depth, kTileRows, packs.a.data() + t * depth * kTileRows);
   }
-  const View bt{b.data, b.type, b.stride_j, b.stride_i, b.scale, b.scale_j, b.scale_i};  // B^T: Pack(bt, ...) lays B's rows out whole
+  // B^T: Pack(bt, ...) lays B's rows out whole.
+  const View bt{b.data, b.type, b.stride_j, b.stride_i, b.scale, b.scale_j, b.scale_i};
   for (int64_t n0 = 0; n0 < cols; n0 += kPanelCols) {
     const int64_t panel_cols = std::min(kPanelCols, cols - n0);
     const int64_t col_tiles = (panel_cols + kTileCols - 1) / kTileCols, width = col_tiles * kTileCols;

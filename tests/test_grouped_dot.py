@@ -210,7 +210,8 @@ def test_fp8_weights_in_place_give_the_dequantised_bits(dtype, shape):
     a float32 product) and the dequantised copy's; the rows' gradient: the copy path's bits."""
     rows, q, scale, offsets, sizes = _fp8_case(shape, dtype)
     got = jax.jit(gemm._dequantized_grouped_dot)(rows, q, scale, offsets)
-    deq = np.asarray(q, np.float32) * np.repeat(np.repeat(np.asarray(scale), 128, 1), 128, 2)[:, :q.shape[1], :q.shape[2]]
+    block_scales = np.repeat(np.repeat(np.asarray(scale), 128, 1), 128, 2)[:, :q.shape[1], :q.shape[2]]
+    deq = np.asarray(q, np.float32) * block_scales  # float32 products, as fp8.dequantize
     np.testing.assert_array_equal(_bits(got), _bits(_sequential(rows, [d.T for d in deq], sizes)))
     np.testing.assert_array_equal(_bits(got), _bits(jax.jit(_dequantized_copy)(rows, q, scale, offsets)))
     assert not np.asarray(got)[int(sizes.sum()):].any() and np.asarray(got).any()

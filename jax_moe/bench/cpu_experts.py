@@ -197,7 +197,8 @@ def markdown(record: dict) -> str:
             lines.append(
                 f"| {row['name']} ({row['E']}, {row['k']}, {row['H']}, {row['F']}, {row['T']}) "
                 f"| {row['expert_fp8_mb']:.1f} | {row['forward_copy_ms']:.1f} | {row['forward_kernel_ms']:.1f} "
-                f"| {row['forward_speedup']:.1f}x | {row['forward_copy_temp_mb']:.1f}, {row['forward_kernel_temp_mb']:.1f} "
+                f"| {row['forward_speedup']:.1f}x "
+                f"| {row['forward_copy_temp_mb']:.1f}, {row['forward_kernel_temp_mb']:.1f} "
                 f"| {row['train_copy_ms']:.1f} | {row['train_kernel_ms']:.1f} | {row['train_speedup']:.1f}x "
                 f"| {row['train_copy_temp_mb']:.1f}, {row['train_kernel_temp_mb']:.1f} |")
     return "\n".join(lines) + "\n"
