@@ -20,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -279,21 +280,33 @@ void GroupedProduct(ffi::ThreadPool& pool, ffi::AnyBuffer rows, const int32_t* s
   std::fill(result + start[groups] * n * Bytes(out_type), result + m * n * Bytes(out_type), 0);
 }
 
-ffi::Error GroupedDotImpl(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
-                          ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out, bool transpose_weights) {
-  const auto r = rows.dimensions(), w = weights.dimensions(), o = out->dimensions();
+// The shapes GroupedDot and Fp8GroupedDot share: rows [M, K], weights [G, K, N] ([G, N, K] transposed),
+// group_sizes [G], out [M, N]; *n is N. `op` names the handler in the message.
+ffi::Error CheckProductShapes(const std::string& op, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
+                              ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out, bool transpose_weights,
+                              int64_t* n) {
+  const auto r = rows.dimensions(), w = weights.dimensions(), o = out.dimensions();
   if (r.size() != 2 || w.size() != 3 || o.size() != 2 || group_sizes.dimensions().size() != 1 ||
       group_sizes.dimensions()[0] != w[0] || o[0] != r[0])
-    return InvalidArgument("grouped_dot: expected rows [M, K], weights [G, K, N] ([G, N, K] transposed), "
-                           "group_sizes [G] and out [M, N]");
-  const int64_t k = r[1], groups = w[0];
-  const int64_t n = transpose_weights ? w[1] : w[2];
-  if ((transpose_weights ? w[2] : w[1]) != k || o[1] != n)
-    return InvalidArgument("grouped_dot: K or N of rows, weights and out disagree");
+    return InvalidArgument(op + ": expected rows [M, K], weights [G, K, N] ([G, N, K] transposed), "
+                                "group_sizes [G] and out [M, N]");
+  *n = transpose_weights ? w[1] : w[2];
+  if ((transpose_weights ? w[2] : w[1]) != r[1] || o[1] != *n)
+    return InvalidArgument(op + ": K or N of rows, weights and out disagree");
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedDotImpl(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
+                          ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out, bool transpose_weights) {
+  int64_t n;
+  if (ffi::Error error = CheckProductShapes("grouped_dot", rows, weights, group_sizes, *out, transpose_weights, &n);
+      error.failure())
+    return error;
   if (!IsFloat(rows.element_type()) || !IsFloat(weights.element_type()) || !IsFloat(out->element_type()))
     return InvalidArgument("grouped_dot: rows, weights and out must be float32, bfloat16 or float16");
+  const int64_t k = rows.dimensions()[1];
   const ffi::DataType w_type = weights.element_type();
-  GroupedProduct(pool, rows, group_sizes.typed_data(), groups, n, out, [&](int64_t g) {
+  GroupedProduct(pool, rows, group_sizes.typed_data(), weights.dimensions()[0], n, out, [&](int64_t g) {
     const char* data = static_cast<const char*>(weights.untyped_data()) + g * k * n * Bytes(w_type);
     // B(r, j): w[g][r][j] ([K, N]) or w[g][j][r] ([N, K]).
     return transpose_weights ? View{data, w_type, 1, k} : View{data, w_type, n, 1};
@@ -306,21 +319,18 @@ int64_t ScaleBlocks(int64_t size) { return (size + kScaleBlock - 1) / kScaleBloc
 ffi::Error Fp8GroupedDotImpl(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer weights,
                              ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
                              ffi::Result<ffi::AnyBuffer> out, bool transpose_weights) {
-  const auto r = rows.dimensions(), w = weights.dimensions(), s = scale.dimensions(), o = out->dimensions();
-  if (r.size() != 2 || w.size() != 3 || s.size() != 3 || o.size() != 2 || group_sizes.dimensions().size() != 1 ||
-      group_sizes.dimensions()[0] != w[0] || o[0] != r[0] || s[0] != w[0] || s[1] != ScaleBlocks(w[1]) ||
-      s[2] != ScaleBlocks(w[2]))
-    return InvalidArgument("fp8_grouped_dot: expected rows [M, K], weights [G, K, N] ([G, N, K] transposed), "
-                           "scale [G, ceil(dim 1 / 128), ceil(dim 2 / 128)] of the weights, group_sizes [G] and "
-                           "out [M, N]");
-  const int64_t k = r[1], groups = w[0];
-  const int64_t n = transpose_weights ? w[1] : w[2];
-  if ((transpose_weights ? w[2] : w[1]) != k || o[1] != n)
-    return InvalidArgument("fp8_grouped_dot: K or N of rows, weights and out disagree");
+  int64_t n;
+  if (ffi::Error error = CheckProductShapes("fp8_grouped_dot", rows, weights, group_sizes, *out, transpose_weights, &n);
+      error.failure())
+    return error;
+  const auto w = weights.dimensions(), s = scale.dimensions();
+  if (s.size() != 3 || s[0] != w[0] || s[1] != ScaleBlocks(w[1]) || s[2] != ScaleBlocks(w[2]))
+    return InvalidArgument("fp8_grouped_dot: expected scale [G, ceil(dim 1 / 128), ceil(dim 2 / 128)] of the weights");
   if (!IsFloat(rows.element_type()) || weights.element_type() != ffi::F8E4M3FN || !IsFloat(out->element_type()))
     return InvalidArgument("fp8_grouped_dot: rows and out must be float32, bfloat16 or float16, weights "
                            "float8_e4m3fn");
-  GroupedProduct(pool, rows, group_sizes.typed_data(), groups, n, out, [&](int64_t g) {
+  const int64_t k = rows.dimensions()[1];
+  GroupedProduct(pool, rows, group_sizes.typed_data(), w[0], n, out, [&](int64_t g) {
     const uint8_t* data = static_cast<const uint8_t*>(weights.untyped_data()) + g * k * n;
     const float* block_scale = scale.typed_data() + g * s[1] * s[2];
     // B(r, j): w[g][r][j] with scale[g][r / 128][j / 128], or w[g][j][r] with scale[g][j / 128][r / 128].

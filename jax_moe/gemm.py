@@ -668,47 +668,47 @@ def _dequantized_grouped_dot(rows, weights_nk, scale_nk, offsets):
     dequantised weight is subnormal, which XLA's CPU code flushes to zero and the kernel keeps): no
     float32 copy of the experts, 4x their FP8 bytes. Its gradient reads them in place too."""
     weights_nk, scale_nk = lax.stop_gradient(weights_nk), lax.stop_gradient(scale_nk)
-    sizes = _group_sizes(offsets)
     if (_native.HAS_CPU and jnp.dtype(rows.dtype) in _GROUPED_DOT_DTYPES and jnp.dtype(weights_nk.dtype) == fp8.FP8
             and jnp.dtype(scale_nk.dtype) == jnp.float32):
-        return _fp8_grouped_dot(rows, weights_nk, scale_nk, sizes)
-    return _xla_dequantized_grouped_dot(rows, weights_nk, scale_nk, sizes)
+        return _fp8_grouped_dot(rows, weights_nk, scale_nk, offsets)
+    return _xla_dequantized_grouped_dot(rows, weights_nk, scale_nk, offsets)
 
 
-def _xla_dequantized_grouped_dot(rows, weights_nk, scale_nk, sizes):
-    return grouped_dot(rows, fp8.dequantize(weights_nk, scale_nk, jnp.float32), sizes,
-                       preferred_element_type=jnp.float32, transpose_weights=True)
+def _xla_dequantized_grouped_dot(rows, weights_nk, scale_nk, offsets):
+    """``_dequantized_grouped_dot`` through a float32 copy of the dequantised weights (off CPU, and
+    the path the CPU kernel replaced: benchmarks and tests compare the two)."""
+    return _ragged_dot(rows, fp8.dequantize(weights_nk, scale_nk, jnp.float32), offsets, transpose_weights=True)
 
 
-def _cpu_fp8_grouped_dot(rows, weights, scale, sizes, transpose_weights: bool):
+def _cpu_fp8_grouped_dot(rows, weights, scale, offsets, transpose_weights: bool):
     """The CPU kernel: ``rows @ dequantize(weights[g], scale[g])`` per group, float32 out (weights
     [El, K, N], or [El, N, K] read transposed; scale over the weights' own 128 x 128 blocks)."""
     n = weights.shape[1] if transpose_weights else weights.shape[2]
     call = jax.ffi.ffi_call(_native.FP8_GROUPED_DOT_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    return call(rows, weights, scale, sizes, transpose_weights=transpose_weights)
+    return call(rows, weights, scale, _group_sizes(offsets), transpose_weights=transpose_weights)
 
 
 @jax.custom_vjp
-def _fp8_grouped_dot(rows, weights_nk, scale_nk, sizes):
-    return lax.platform_dependent(rows, weights_nk, scale_nk, sizes, default=_xla_dequantized_grouped_dot,
-                                  cpu=lambda r, w, s, g: _cpu_fp8_grouped_dot(r, w, s, g, True))
+def _fp8_grouped_dot(rows, weights_nk, scale_nk, offsets):
+    return lax.platform_dependent(rows, weights_nk, scale_nk, offsets, default=_xla_dequantized_grouped_dot,
+                                  cpu=lambda r, w, s, o: _cpu_fp8_grouped_dot(r, w, s, o, True))
 
 
-def _fp8_grouped_dot_fwd(rows, weights_nk, scale_nk, sizes):
-    return _fp8_grouped_dot(rows, weights_nk, scale_nk, sizes), (rows, weights_nk, scale_nk, sizes)
+def _fp8_grouped_dot_fwd(rows, weights_nk, scale_nk, offsets):
+    return _fp8_grouped_dot(rows, weights_nk, scale_nk, offsets), (rows, weights_nk, scale_nk, offsets)
 
 
 def _fp8_grouped_dot_bwd(residuals, d_out):
-    rows, weights_nk, scale_nk, sizes = residuals
+    rows, weights_nk, scale_nk, offsets = residuals
 
-    def cpu(r, w, s, g, d):  # d rows = d out @ dequantised weights[g] ([N, K]), read in place
-        return _cpu_fp8_grouped_dot(d, w, s, g, False).astype(r.dtype)
+    def cpu(r, w, s, o, d):  # d rows = d out @ dequantised weights[g] ([N, K]), read in place
+        return _cpu_fp8_grouped_dot(d, w, s, o, False).astype(r.dtype)
 
-    def xla(r, w, s, g, d):
-        return jax.vjp(lambda r: _xla_dequantized_grouped_dot(r, w, s, g), r)[1](d)[0]
+    def xla(r, w, s, o, d):
+        return jax.vjp(lambda r: _xla_dequantized_grouped_dot(r, w, s, o), r)[1](d)[0]
 
-    d_rows = lax.platform_dependent(rows, weights_nk, scale_nk, sizes, d_out, cpu=cpu, default=xla)
+    d_rows = lax.platform_dependent(rows, weights_nk, scale_nk, offsets, d_out, cpu=cpu, default=xla)
     return d_rows, None, None, None  # FP8 weights and their scales are constants (inference only)
 
 

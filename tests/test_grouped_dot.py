@@ -193,11 +193,6 @@ def _fp8_case(shape, dtype, seed=0):
     return rows.astype(dtype), q, scale, offsets, sizes
 
 
-def _dequantized_copy(rows, q, scale, offsets):
-    """The path the kernel replaces: a float32 copy of the dequantised weights, then grouped_dot."""
-    return gemm._xla_dequantized_grouped_dot(rows, q, scale, gemm._group_sizes(offsets))
-
-
 def _bits(x):
     return np.asarray(x, np.float32).view(np.uint32)
 
@@ -213,10 +208,11 @@ def test_fp8_weights_in_place_give_the_dequantised_bits(dtype, shape):
     block_scales = np.repeat(np.repeat(np.asarray(scale), 128, 1), 128, 2)[:, :q.shape[1], :q.shape[2]]
     deq = np.asarray(q, np.float32) * block_scales  # float32 products, as fp8.dequantize
     np.testing.assert_array_equal(_bits(got), _bits(_sequential(rows, [d.T for d in deq], sizes)))
-    np.testing.assert_array_equal(_bits(got), _bits(jax.jit(_dequantized_copy)(rows, q, scale, offsets)))
+    copy = jax.jit(gemm._xla_dequantized_grouped_dot)(rows, q, scale, offsets)  # the path the kernel replaced
+    np.testing.assert_array_equal(_bits(got), _bits(copy))
     assert not np.asarray(got)[int(sizes.sum()):].any() and np.asarray(got).any()
     loss = lambda f: jax.jit(jax.grad(lambda r: jnp.sum(f(r, q, scale, offsets) ** 2)))(rows)
-    d_kernel, d_copy = loss(gemm._dequantized_grouped_dot), loss(_dequantized_copy)
+    d_kernel, d_copy = loss(gemm._dequantized_grouped_dot), loss(gemm._xla_dequantized_grouped_dot)
     assert d_kernel.dtype == rows.dtype and np.asarray(d_kernel, np.float32).any()
     np.testing.assert_array_equal(_bits(d_kernel), _bits(d_copy))
 
@@ -227,7 +223,7 @@ def test_fp8_weights_in_place_need_no_float32_copy():
     are at least that), and lower to the FP8 kernel."""
     rows, q, scale, offsets, _ = _fp8_case((8, 80, 256, 512), jnp.float32)
     copy_bytes = q.size * 4
-    for name, f in (("kernel", gemm._dequantized_grouped_dot), ("copy", _dequantized_copy)):
+    for name, f in (("kernel", gemm._dequantized_grouped_dot), ("copy", gemm._xla_dequantized_grouped_dot)):
         for program in (f, jax.grad(lambda r, q, s, o, f=f: jnp.sum(f(r, q, s, o) ** 2))):
             lowered = jax.jit(program).lower(rows, q, scale, offsets)
             temp = lowered.compile().memory_analysis().temp_size_in_bytes

@@ -119,11 +119,6 @@ def measure(num_experts, top_k, hidden, ffn, tokens, dtype, repeats: int) -> dic
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
 
 
-def _dequantized_copy(rows, weights_nk, scale_nk, offsets):
-    """The FP8 CPU math before the in-place kernel: a float32 copy of the dequantised experts."""
-    return gemm._xla_dequantized_grouped_dot(rows, weights_nk, scale_nk, gemm._group_sizes(offsets))
-
-
 def measure_fp8(num_experts, top_k, hidden, ffn, tokens, repeats: int) -> dict:
     config = jax_moe.MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden, max_tokens=tokens,
                                dtype=jnp.bfloat16)
@@ -141,7 +136,7 @@ def measure_fp8(num_experts, top_k, hidden, ffn, tokens, repeats: int) -> dict:
 
     result = {"expert_fp8_mb": sum(p.nbytes for name, p in params.items() if name in fp8.QUANTIZED_NAMES) / 1e6}
     in_place = gemm._dequantized_grouped_dot
-    for path, product in (("kernel", in_place), ("copy", _dequantized_copy)):
+    for path, product in (("kernel", in_place), ("copy", gemm._xla_dequantized_grouped_dot)):
         gemm._dequantized_grouped_dot = product  # fp8_dequantized_matmul calls it through the module
         jax.clear_caches()
         try:
