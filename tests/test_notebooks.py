@@ -85,6 +85,9 @@ def test_notebook_is_committed_stripped(path):
              if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
     assert not dirty, f"cells {dirty} have outputs or execution counts: commit the notebook stripped"
     assert path.stat().st_size < MAX_COMMITTED_BYTES, path.stat().st_size
+    # Read as committed (nbformat.read would fill missing ids in): nbformat 4.5 cells need unique ids.
+    ids = [cell.get("id") for cell in json.loads(path.read_text())["cells"]]
+    assert None not in ids and len(set(ids)) == len(ids), ids
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
