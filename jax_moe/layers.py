@@ -95,6 +95,11 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
     if unknown:
         raise ValueError(f"{op}: params: expected keys among {PARAM_NAMES + OPTIONAL_PARAM_NAMES}, got unknown "
                          f"{unknown}")
+    if ("shared_gate_up" in layer_params) != ("shared_down" in layer_params) or (
+            "shared_gate" in layer_params and "shared_gate_up" not in layer_params):
+        present = sorted(n for n in SHARED_NAMES if n in layer_params)
+        raise ValueError(f"{op}: params: expected shared_gate_up and shared_down together (shared_gate only with "
+                         f"them), got {present}")
     lead = (jnp.shape(layer_params["router"])[0],) if stacked and jnp.ndim(layer_params["router"]) else ()
     hidden, experts, local = config.hidden_size, config.num_experts, config.num_local_experts
     quantized = fp8.is_quantized(layer_params)  # FP8 experts keep the checkpoint's [out, in] layout
@@ -112,12 +117,16 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
         "shared_gate": lead + (hidden, 1),
     }
     layout = "[L, " if stacked else "["
+    # The gate/up width first: an odd one would otherwise surface as the down projection's shape.
+    for name, width, axis in (("gate_up", ffn2, "2F"), ("shared_gate_up", shared2, "2Fs")):
+        if name in layer_params and jnp.ndim(layer_params[name]) == len(want[name]) and (width < 2 or width % 2):
+            raise ValueError(f"{op}: params[{name!r}]: expected an even {axis} >= 2 (the gate and up halves side "
+                             f"by side), got {axis} = {width} in shape {tuple(jnp.shape(layer_params[name]))}")
     for name, shape in want.items():
         if name not in layer_params:
             continue
         have = tuple(jnp.shape(layer_params[name]))
-        width = ffn2 if name in PARAM_NAMES else shared2
-        if have != shape or (name != "router_bias" and name != "shared_gate" and (width < 2 or width % 2)):
+        if have != shape:
             raise ValueError(
                 f"{op}: params[{name!r}]: expected shape {shape} ({layout}... with H={hidden}, E={experts}, "
                 f"El={local}, 2F and 2Fs even{'; FP8 experts [out, in]' if quantized or shared_quantized else ''}), "
@@ -125,11 +134,6 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
     _check_fp8_params(op, layer_params, layout, hidden, ffn2 // 2)
     if "shared_gate_up" in layer_params and "shared_down" in layer_params:
         _check_fp8_params(op, layer_params, layout, hidden, shared2 // 2, shared=True)
-    if ("shared_gate_up" in layer_params) != ("shared_down" in layer_params) or (
-            "shared_gate" in layer_params and "shared_gate_up" not in layer_params):
-        present = sorted(n for n in SHARED_NAMES if n in layer_params)
-        raise ValueError(f"{op}: params: expected shared_gate_up and shared_down together (shared_gate only with "
-                         f"them), got {present}")
 
 
 def _check_fp8_params(op: str, layer_params, layout: str, hidden: int, ffn: int,

@@ -165,6 +165,14 @@ def test_params_are_validated():
     no_down = {k: v for k, v in params.items() if k != "shared_down"}
     with pytest.raises(ValueError, match="shared_gate_up and shared_down together"):
         moe_layer(no_down, x, init_scratch(config))
+    no_gate_up = {k: v for k, v in params.items() if k not in ("shared_gate_up", "shared_gate")}
+    with pytest.raises(ValueError, match="shared_gate_up and shared_down together"):  # not a shape of shared_down
+        moe_layer(no_gate_up, x, init_scratch(config))
+    # An odd gate/up width is named on the gate/up leaf, not on the router or the down projection.
+    for name, width, axis in (("gate_up", 15, "2F"), ("shared_gate_up", 23, "2Fs")):
+        odd = {**params, name: params[name][..., :width]}
+        with pytest.raises(ValueError, match=rf"params\['{name}'\]: expected an even {axis} >= 2 .* got {axis} = {width}"):
+            moe_layer(odd, x, init_scratch(config))
 
 
 def _numpy_load_balancing(logits, top_k, mask=None):
