@@ -57,6 +57,9 @@ def quantize(weights: jax.Array) -> tuple[jax.Array, jax.Array]:
     (3 mantissa bits; the second term covers subnormals). Jitted, so a layer's experts are read
     twice and written once as FP8, with no float32 copy of them (DeepSeek-V3's layer: 22 GB of bf16).
     """
+    if jnp.ndim(weights) < 2 or not jnp.issubdtype(jnp.result_type(weights), jnp.floating):
+        raise ValueError(f"quantize: weights: expected a floating array [..., R, C], got "
+                         f"{jnp.result_type(weights)}{list(jnp.shape(weights))}")
     return _quantize(weights)
 
 
@@ -75,8 +78,19 @@ def _quantize(weights):
 
 def dequantize(q: jax.Array, scale_inv: jax.Array, dtype=jnp.float32) -> jax.Array:
     """``q * scale_inv`` block by block, in float32, then cast to dtype: [..., R, C] as q."""
+    if jnp.ndim(q) < 2:
+        raise ValueError(f"dequantize: q: expected [..., R, C], got shape {jnp.shape(q)}")
     k, n = q.shape[-2:]
+    want = (*q.shape[:-2], num_blocks(k), num_blocks(n))
+    if jnp.shape(scale_inv) != want:
+        raise ValueError(f"dequantize: scale_inv: expected shape {want} [..., ceil(R/128), ceil(C/128)] for q of "
+                         f"shape {jnp.shape(q)}, got {jnp.shape(scale_inv)}")
     return (q.astype(jnp.float32) * _expand(scale_inv, k, n)).astype(dtype)
+
+
+def _check_rows(op: str, name: str, rows) -> None:
+    if jnp.ndim(rows) != 2 or jnp.shape(rows)[1] % BLOCK:
+        raise ValueError(f"{op}: {name}: expected [R, K] with K a multiple of {BLOCK}, got shape {jnp.shape(rows)}")
 
 
 def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -88,6 +102,7 @@ def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     (``cuda/grouped_gemm_fp8.cu``, QuantizeRows) writes the same bytes. (Written with a reciprocal
     because XLA's CPU backend turns ``x / y`` into a multiply by an approximate reciprocal.)
     """
+    _check_rows("quantize_rows", "rows", rows)
     r, k = rows.shape
     groups = rows.astype(jnp.float32).reshape(r, k // BLOCK, BLOCK)
     amax = jnp.max(jnp.abs(groups), axis=-1)
@@ -98,7 +113,10 @@ def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def dequantize_rows(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     """``quantize_rows``' inverse to within e4m3 rounding: [R, K] of dtype."""
+    _check_rows("dequantize_rows", "q", q)
     r, k = q.shape
+    if jnp.shape(scale) != (r, k // BLOCK):
+        raise ValueError(f"dequantize_rows: scale: expected shape {(r, k // BLOCK)} [R, K/128], got {jnp.shape(scale)}")
     return (q.astype(jnp.float32).reshape(r, k // BLOCK, BLOCK) * scale[..., None]).reshape(r, k).astype(dtype)
 
 

@@ -238,6 +238,8 @@ def load_moe(path, *, max_tokens: int, dtype=None, experts_fp8: bool | None = No
       ValueError: an unsupported architecture, a config field it cannot honour, a missing or
         misshapen tensor (named), or no MoE layer.
     """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+        raise ValueError(f"load_moe: max_tokens: expected a positive integer, got {max_tokens!r}")
     folder = pathlib.Path(path)
     config_file = folder / "config.json"
     if not config_file.exists():

@@ -64,6 +64,8 @@ def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size
     if shared_gate and shared_ffn_size is None:
         raise ValueError("init_moe_params: shared_gate: expected shared_ffn_size too (a gate needs a shared expert)")
     dtype = config.dtype if dtype is None else jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"init_moe_params: dtype: expected a floating dtype (or None: config.dtype), got {dtype}")
     hidden, experts, local = config.hidden_size, config.num_experts, config.num_local_experts
     keys = jax.random.split(key, 6)
 

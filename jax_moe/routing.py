@@ -137,12 +137,19 @@ def chosen_weights(scores: jax.Array, ids: jax.Array, config: MoEConfig) -> jax.
 def route(router: jax.Array, x: jax.Array, config: MoEConfig, bias: jax.Array | None = None
           ) -> tuple[jax.Array, jax.Array]:
     """``route_logits(router_logits(router, x), config, bias)``: x [T, H], router [H, E]."""
+    if jnp.ndim(x) != 2 or jnp.shape(x)[1] != config.hidden_size:
+        raise ValueError(f"route: x: expected shape (T, {config.hidden_size}) [T, hidden_size], got {jnp.shape(x)}")
+    if jnp.shape(router) != (config.hidden_size, config.num_experts):
+        raise ValueError(f"route: router: expected shape ({config.hidden_size}, {config.num_experts}) "
+                         f"[hidden_size, num_experts], got {jnp.shape(router)}")
     return route_logits(router_logits(router, x), config, bias)
 
 
 def expert_counts(topk_ids: jax.Array, num_experts: int) -> jax.Array:
     """[E] int32 routes per global expert (ids outside [0, E) are not counted)."""
-    flat = topk_ids.reshape(-1)
+    if not jnp.issubdtype(jnp.result_type(topk_ids), jnp.integer):
+        raise ValueError(f"expert_counts: topk_ids: expected an integer dtype, got {jnp.result_type(topk_ids)}")
+    flat = jnp.asarray(topk_ids).reshape(-1)
     return jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
 
 
@@ -161,6 +168,9 @@ def load_balancing_loss(router_logits: jax.Array, top_k: int, attention_mask: ja
       P_e the mean router probability of e, both over the real tokens of every layer.
     """
     num_experts = router_logits.shape[-1]
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"load_balancing_loss: top_k: expected an integer in [1, {num_experts}] (the logits' "
+                         f"last axis), got {top_k!r}")
     probs = jax.nn.softmax(router_logits.astype(jnp.float32).reshape(-1, num_experts), axis=-1)  # [N, E]
     _, chosen = lax.top_k(probs, top_k)
     one_hot = jax.nn.one_hot(chosen, num_experts, dtype=jnp.float32)  # [N, k, E]
@@ -195,6 +205,11 @@ def update_router_bias(bias: jax.Array, counts: jax.Array, rate: float) -> jax.A
     Returns:
       The new biases, bias's dtype: overloaded experts go down by ``rate``, underloaded up.
     """
+    if jnp.shape(counts) != jnp.shape(bias):
+        raise ValueError(f"update_router_bias: counts: expected bias's shape {jnp.shape(bias)} [..., E], got "
+                         f"{jnp.shape(counts)}")
+    if isinstance(rate, (int, float, np.number)) and not (np.isfinite(rate) and rate >= 0):
+        raise ValueError(f"update_router_bias: rate: expected a finite number >= 0, got {rate!r}")
     load = counts.astype(jnp.float32)
     step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
     return (bias.astype(jnp.float32) + rate * step).astype(bias.dtype)

@@ -133,6 +133,9 @@ def init_scratch(config: MoEConfig, device=None) -> MoEScratch:
     if device is None:
         buffers = jax.jit(make)()
     else:
+        if not isinstance(device, (jax.Device, jax.sharding.Sharding)):
+            raise ValueError(f"init_scratch: device: expected a jax.Device, a jax.sharding.Sharding or None, got "
+                             f"{type(device).__name__} {device!r}")
         sharding = device if isinstance(device, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(device)
         buffers = jax.jit(make, out_shardings=sharding)()
     return MoEScratch(*buffers, config=config)

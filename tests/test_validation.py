@@ -288,3 +288,55 @@ def test_unpermute_add_off_the_gpu_is_the_adds():
     got = jax.jit(jax_moe.ops.unpermute_add)(y, weights, scratch, residual, addend)
     want = residual + (jax_moe.unpermute(y, weights, scratch) + addend)
     np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
+
+
+def _empty_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "mixtral"}')
+    return tmp_path
+
+
+# The helpers around the layer: routing, its losses and bias update, FP8 (de)quantisation, params,
+# the scratch's placement and checkpoint loading. Each call is what a user could plausibly get wrong.
+HELPER_MISUSES = [
+    ("route_router_H", lambda: jax_moe.routing.route(sds((8, 6), F32), sds((3, 16), F32), CONFIG),
+     r"route: router: expected shape \(16, 6\) \[hidden_size, num_experts\], got \(8, 6\)"),
+    ("route_x_rank", lambda: jax_moe.routing.route(sds((16, 6), F32), sds((16,), F32), CONFIG),
+     r"route: x: expected shape \(T, 16\)"),
+    ("expert_counts_float_ids", lambda: jax_moe.routing.expert_counts(sds((3, 2), F32), 6),
+     "expert_counts: topk_ids: expected an integer dtype, got float32"),
+    ("load_balancing_top_k_0", lambda: jax_moe.routing.load_balancing_loss(sds((4, 6), F32), 0),
+     r"load_balancing_loss: top_k: expected an integer in \[1, 6\]"),
+    ("load_balancing_top_k_past_E", lambda: jax_moe.routing.load_balancing_loss(sds((4, 6), F32), 7),
+     r"load_balancing_loss: top_k: expected an integer in \[1, 6\].*got 7"),
+    ("bias_counts_shape", lambda: jax_moe.routing.update_router_bias(sds((2, 6), F32), sds((6,), I32), 1e-3),
+     r"update_router_bias: counts: expected bias's shape \(2, 6\)"),
+    ("bias_rate_negative", lambda: jax_moe.routing.update_router_bias(sds((6,), F32), sds((6,), I32), -1e-3),
+     "update_router_bias: rate: expected a finite number >= 0"),
+    ("quantize_vector", lambda: jax_moe.fp8.quantize(sds((128,), F32)),
+     r"quantize: weights: expected a floating array \[\.\.\., R, C\], got float32\[128\]"),
+    ("quantize_ints", lambda: jax_moe.fp8.quantize(sds((128, 128), I32)), "quantize: weights: expected a floating"),
+    ("dequantize_scale", lambda: jax_moe.fp8.dequantize(sds((4, 256, 130), jnp.float8_e4m3fn), sds((4, 2, 1), F32)),
+     r"dequantize: scale_inv: expected shape \(4, 2, 2\)"),
+    ("quantize_rows_K", lambda: jax_moe.fp8.quantize_rows(sds((4, 100), BF16)),
+     "quantize_rows: rows: expected .R, K. with K a multiple of 128, got shape \\(4, 100\\)"),
+    ("dequantize_rows_scale", lambda: jax_moe.fp8.dequantize_rows(sds((4, 256), jnp.float8_e4m3fn), sds((4, 1), F32)),
+     r"dequantize_rows: scale: expected shape \(4, 2\)"),
+    ("params_int_dtype", lambda: jax_moe.init_moe_params(jax.random.key(0), CONFIG, 1, 8, dtype=I32),
+     "init_moe_params: dtype: expected a floating dtype"),
+    ("scratch_device_name", lambda: jax_moe.init_scratch(CONFIG, device="cpu"),
+     "init_scratch: device: expected a jax.Device, a jax.sharding.Sharding or None, got str 'cpu'"),
+]
+
+
+@pytest.mark.parametrize("name, call, message", HELPER_MISUSES, ids=[m[0] for m in HELPER_MISUSES])
+def test_helpers_reject_bad_arguments(name, call, message):
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(call)  # at trace time: on abstract values
+
+
+def test_load_moe_checks_max_tokens_first(tmp_path):
+    """Before reading anything: a config.json that is also incomplete is not what the error names."""
+    import jax_moe.hf
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"load_moe: max_tokens: expected a positive integer, got {bad!r}"):
+            jax_moe.hf.load_moe(_empty_checkpoint(tmp_path), max_tokens=bad)
