@@ -277,6 +277,10 @@ def test_bad_arguments_raise_value_errors_at_trace_time():
         ep.shard_params(init_moe_params(jax.random.key(0), config, L, F), mesh, "ep", placement=(0, 1))
     with pytest.raises(ValueError, match="axis_name"):
         ep.init_scratch_ep(config, mesh, "experts")
+    with pytest.raises(ValueError, match=r"shard_params: params: expected a dict with keys .* got dict with keys "
+                                         r"\['down', 'router'\]"):
+        ep.shard_params({k: v for k, v in init_moe_params(jax.random.key(0), config, L, F).items() if k != "gate_up"},
+                        mesh, "ep")
     scratch = ep.init_scratch_ep(config, mesh, "ep")
     params = ep.shard_params(init_moe_params(jax.random.key(0), config, L, F), mesh, "ep")
     with pytest.raises(ValueError, match="x: expected at most 8 tokens"):
