@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_moe import _validate, experts, fp8, ops, routing, stack
@@ -97,6 +98,11 @@ def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) 
     if unknown:
         raise ValueError(f"{op}: params: expected keys among {PARAM_NAMES + OPTIONAL_PARAM_NAMES}, got unknown "
                          f"{unknown}")
+    not_float = sorted(n for n, leaf in layer_params.items()
+                       if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating))
+    if not_float:
+        raise ValueError(f"{op}: params[{not_float[0]!r}]: expected a floating dtype (float32, bfloat16, float16, or "
+                         f"float8_e4m3fn for FP8 experts), got {jnp.result_type(layer_params[not_float[0]])}")
     if ("shared_gate_up" in layer_params) != ("shared_down" in layer_params) or (
             "shared_gate" in layer_params and "shared_gate_up" not in layer_params):
         present = sorted(n for n in SHARED_NAMES if n in layer_params)
@@ -173,6 +179,14 @@ def _flat_tokens(op: str, x, config: MoEConfig) -> jax.Array:
     return jnp.reshape(x, (-1, config.hidden_size))
 
 
+def _check_options(op: str, expert_fn, unroll=1) -> None:
+    if expert_fn is not None and not callable(expert_fn):
+        raise ValueError(f"{op}: expert_fn: expected None or a callable (layer_params, rows, group_sizes) -> rows, "
+                         f"got {type(expert_fn).__name__}")
+    if not isinstance(unroll, (bool, int, np.integer)) or (not isinstance(unroll, bool) and unroll < 0):
+        raise ValueError(f"{op}: unroll: expected a bool or a non-negative int (lax.scan's), got {unroll!r}")
+
+
 def _moved_to_parallel(op: str, mesh, axis_name) -> None:
     if mesh is not None or axis_name is not None:
         raise ValueError(f"{op}: mesh/axis_name: expert parallelism is jax_moe.{op}_ep(..., mesh=, axis_name=) "
@@ -213,6 +227,7 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
     Expert parallel: ``jax_moe.moe_layer_ep`` (this module sits below ``jax_moe.parallel``).
     """
     _moved_to_parallel("moe_layer", mesh, axis_name)
+    _check_options("moe_layer", expert_fn)
     if not isinstance(scratch, MoEScratch):
         raise ValueError(f"moe_layer: scratch: expected a MoEScratch (from jax_moe.init_scratch), "
                          f"got {type(scratch).__name__}")
@@ -284,6 +299,7 @@ def moe_stack(params: dict, x: jax.Array, scratch: MoEScratch, *, unroll: int | 
     Expert parallel: ``jax_moe.moe_stack_ep``.
     """
     _moved_to_parallel("moe_stack", mesh, axis_name)
+    _check_options("moe_stack", expert_fn, unroll)
     if not isinstance(scratch, MoEScratch):
         raise ValueError(f"moe_stack: scratch: expected a MoEScratch (from jax_moe.init_scratch), "
                          f"got {type(scratch).__name__}")

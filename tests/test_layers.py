@@ -322,6 +322,13 @@ def test_validation_errors_name_the_argument():
         moe_layer(_layer0(params), x.astype(jnp.bfloat16), scratch)
     with pytest.raises(ValueError, match="ffn_size"):
         init_moe_params(jax.random.key(0), config, 2, 0)
+    with pytest.raises(ValueError, match=r"params\['down'\]: expected a floating dtype .* got int32"):
+        moe_layer({**_layer0(params), "down": _layer0(params)["down"].astype(jnp.int32)}, x, scratch)
+    with pytest.raises(ValueError, match="moe_layer: expert_fn: expected None or a callable"):
+        moe_layer(_layer0(params), x, scratch, expert_fn="swiglu")
+    for unroll in (-1, "2", 1.5):
+        with pytest.raises(ValueError, match=rf"moe_stack: unroll: expected a bool or a non-negative int .* got {unroll!r}"):
+            moe_stack(params, x, scratch, unroll=unroll)
 
 
 def test_demo_main_job(capsys):
