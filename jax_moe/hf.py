@@ -259,11 +259,13 @@ def load_moe(path, *, max_tokens: int, dtype=None, experts_fp8: bool | None = No
                            max_tokens=max_tokens, dtype=out_dtype, **layout.routing)
         keep_fp8 = layout.fp8 and experts_fp8 is not False
         shared_width = layout.shared_ffn or fp8.BLOCK
-        if keep_fp8 and (layout.hidden % fp8.BLOCK or layout.ffn % fp8.BLOCK or shared_width % fp8.BLOCK):
-            raise ValueError(f"load_moe: experts_fp8: keeping the FP8 experts needs H, F and the shared expert's "
+        if (keep_fp8 or experts_fp8) and (layout.hidden % fp8.BLOCK or layout.ffn % fp8.BLOCK
+                                          or shared_width % fp8.BLOCK):
+            what, instead = (("keeping", "pass experts_fp8=False to dequantise them") if keep_fp8 else
+                             ("quantising", "leave experts_fp8 None to keep them as stored"))
+            raise ValueError(f"load_moe: experts_fp8: {what} the FP8 experts needs H, F and the shared expert's "
                              f"width multiples of {fp8.BLOCK} (gate and up share one scale grid), got "
-                             f"H={layout.hidden}, F={layout.ffn}, Fs={layout.shared_ffn}; pass experts_fp8=False to "
-                             "dequantise them")
+                             f"H={layout.hidden}, F={layout.ffn}, Fs={layout.shared_ffn}; {instead}")
         params = _read_params(tensors, layout, out_dtype, keep_fp8)
     finally:
         tensors.close()

@@ -121,6 +121,8 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="experts_fp8: keeping the FP8 experts needs H, F and the shared expert's width multiples of 128"):
         _edit_config(folder, quantization_config={"quant_method": "fp8"})  # the fixture's H = 32
         hf.load_moe(folder, max_tokens=4)
+    with pytest.raises(ValueError, match="experts_fp8: quantising the FP8 experts needs H, F .* leave experts_fp8 None"):
+        hf.load_moe(_copy(tmp_path / "b", "qwen3_moe"), max_tokens=4, experts_fp8=True)  # a bf16 checkpoint, H = 32
     with pytest.raises(ValueError, match=r"scoring_func: expected one of \('sigmoid',\).*'softmax'"):
         folder = _copy(tmp_path / "s", "deepseek_v3")
         _edit_config(folder, scoring_func="softmax")
