@@ -74,7 +74,11 @@ class MoEConfig:
         object.__setattr__(self, "dtype", dtype)
         if self.scoring not in SCORINGS:
             raise ValueError(f"MoEConfig.scoring: expected one of {SCORINGS}, got {self.scoring!r}")
-        object.__setattr__(self, "renormalize", bool(self.renormalize))
+        renormalize = self.renormalize
+        if not (isinstance(renormalize, (bool, np.bool_)) or (isinstance(renormalize, (int, np.integer))
+                                                               and renormalize in (0, 1))):
+            raise ValueError(f"MoEConfig.renormalize: expected a bool, got {renormalize!r}")
+        object.__setattr__(self, "renormalize", bool(renormalize))
         self._check_routing()
         if self.expert_map is not None:
             object.__setattr__(self, "expert_map", self._checked_expert_map(self.expert_map))

@@ -232,6 +232,8 @@ CONFIG_ERRORS = {
                      "float8_e4m3fn"),
     "dtype_nonsense": (dict(dtype="nonsense"), "dtype", "one of float16, bfloat16, float32", "'nonsense'"),
     "scoring": (dict(scoring="relu"), "scoring", "one of ('softmax', 'sigmoid')", "'relu'"),
+    "renormalize_str": (dict(renormalize="no"), "renormalize", "a bool", "'no'"),  # not silently True
+    "renormalize_two": (dict(renormalize=2), "renormalize", "a bool", "2"),
     "expert_map_short": (dict(expert_map=(0, 1, 2)), "expert_map", "shape (4,)", "(3,)"),
     "expert_map_long": (dict(expert_map=(0, 1, 2, 3, -1)), "expert_map", "shape (4,)", "(5,)"),
     "expert_map_2d": (dict(expert_map=((0, 1), (2, 3))), "expert_map", "shape (4,)", "(2, 2)"),
@@ -263,6 +265,7 @@ def test_valid_configs_normalise_and_hash():
     assert as_tuple == as_array and hash(as_tuple) == hash(as_array)
     assert as_tuple.num_local_experts == 3
     assert jax_moe.MoEConfig(**{**BASE, "num_experts": np.int64(4)}).num_experts == 4
+    assert jax_moe.MoEConfig(**BASE, renormalize=np.bool_(False)) == jax_moe.MoEConfig(**BASE, renormalize=0)
 
 
 @pytest.mark.parametrize("name, residual, addend, message", [
