@@ -236,19 +236,22 @@ def test_fp8_checkpoint_loads_without_dequantising(tmp_path):
     assert np.abs(got - want).max() <= 0.1 * np.abs(want).max()
 
 
-def _fp8_qwen_checkpoint(folder, model_type, num_experts=4, hidden=256, ffn=128, shared=256, fp8_router=False):
+def _fp8_qwen_checkpoint(folder, model_type, num_experts=4, hidden=256, ffn=128, shared=256, fp8_router=False,
+                         fp8_experts=True):
     """A one-layer Qwen2-MoE (shared expert and its gate) or Qwen3-MoE FP8 checkpoint as Qwen's -FP8
     releases store them: the experts e4m3 with 128 x 128 block scales; the router and the shared
-    expert's gate bf16, or the router FP8 too with ``fp8_router``."""
+    expert's gate bf16, or the router FP8 too with ``fp8_router``. ``fp8_experts=False``: every
+    weight bf16 and no quantization_config (a bf16 checkpoint of the same shapes)."""
     from jax_moe import fp8
     import ml_dtypes
     rng = np.random.default_rng(0)
     folder.mkdir(parents=True)
     config = {"model_type": model_type, "num_hidden_layers": 1, "num_experts": num_experts, "num_experts_per_tok": 2,
               "hidden_size": hidden, "moe_intermediate_size": ffn, "norm_topk_prob": model_type == "qwen3_moe",
-              "hidden_act": "silu", "torch_dtype": "bfloat16",
-              "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                      "weight_block_size": [128, 128]}}
+              "hidden_act": "silu", "torch_dtype": "bfloat16"}
+    if fp8_experts:
+        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                         "weight_block_size": [128, 128]}
     if model_type == "qwen2_moe":
         config["shared_expert_intermediate_size"] = shared
     (folder / "config.json").write_text(json.dumps(config))
@@ -267,11 +270,11 @@ def _fp8_qwen_checkpoint(folder, model_type, num_experts=4, hidden=256, ffn=128,
     linear(block + "gate", num_experts, hidden, quantised=fp8_router)
     for e in range(num_experts):
         for name, shape in (("gate_proj", (ffn, hidden)), ("up_proj", (ffn, hidden)), ("down_proj", (hidden, ffn))):
-            linear(f"{block}experts.{e}.{name}", *shape)
+            linear(f"{block}experts.{e}.{name}", *shape, quantised=fp8_experts)
     if model_type == "qwen2_moe":
         for name, shape in (("gate_proj", (shared, hidden)), ("up_proj", (shared, hidden)),
                             ("down_proj", (hidden, shared))):
-            linear(f"{block}shared_expert.{name}", *shape)
+            linear(f"{block}shared_expert.{name}", *shape, quantised=fp8_experts)
         linear(block + "shared_expert_gate", 1, hidden, quantised=False)
     _write_safetensors(folder / "model.safetensors", tensors)
     return tensors
@@ -311,10 +314,12 @@ def test_fp8_router_is_dequantised(tmp_path):
     np.testing.assert_array_equal(np.asarray(params["router"][0]), np.asarray(want).T)
 
 
-def test_bf16_checkpoint_quantised_on_request():
+def test_bf16_checkpoint_quantised_on_request(tmp_path):
     from jax_moe import fp8
-    config, params = hf.load_moe(FIXTURES / "qwen3_moe", max_tokens=4)
-    _, quantised = hf.load_moe(FIXTURES / "qwen3_moe", max_tokens=4, experts_fp8=True)
+    _fp8_qwen_checkpoint(tmp_path / "bf16", "qwen2_moe", fp8_experts=False)  # H, F, Fs multiples of 128
+    config, params = hf.load_moe(tmp_path / "bf16", max_tokens=4)
+    assert not fp8.is_quantized(params) and params["gate_up"].dtype == jnp.bfloat16
+    _, quantised = hf.load_moe(tmp_path / "bf16", max_tokens=4, experts_fp8=True)
     want = fp8.quantize_params(params)
     assert set(quantised) == set(want)
     for name in want:
