@@ -14,9 +14,10 @@ ROW_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.flo
 SCORINGS = ("softmax", "sigmoid")
 
 
-def _positive_int(name: str, value: Any) -> int:
+def positive_int(label: str, value: Any) -> int:
+    """value as an int; a ValueError "{label}: expected a positive integer, got ..." unless it is one."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"MoEConfig.{name}: expected a positive integer, got {value!r}")
+        raise ValueError(f"{label}: expected a positive integer, got {value!r}")
     return int(value)
 
 
@@ -64,7 +65,7 @@ class MoEConfig:
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "hidden_size", "max_tokens", "align", "n_group", "topk_group"):
-            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+            object.__setattr__(self, name, positive_int(f"MoEConfig.{name}", getattr(self, name)))
         try:
             dtype = jnp.dtype(self.dtype)
         except TypeError as e:

@@ -34,7 +34,7 @@ import ml_dtypes  # registers bfloat16 with NumPy (safetensors' NumPy API needs 
 import numpy as np
 
 from jax_moe import fp8
-from jax_moe.config import MoEConfig
+from jax_moe.config import MoEConfig, positive_int
 
 SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -238,8 +238,7 @@ def load_moe(path, *, max_tokens: int, dtype=None, experts_fp8: bool | None = No
       ValueError: an unsupported architecture, a config field it cannot honour, a missing or
         misshapen tensor (named), or no MoE layer.
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
-        raise ValueError(f"load_moe: max_tokens: expected a positive integer, got {max_tokens!r}")
+    positive_int("load_moe: max_tokens", max_tokens)
     folder = pathlib.Path(path)
     config_file = folder / "config.json"
     if not config_file.exists():

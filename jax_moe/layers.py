@@ -88,12 +88,17 @@ def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size
     return params
 
 
+def check_param_keys(op: str, params) -> None:
+    """params must be a dict holding at least ``PARAM_NAMES``; ValueError otherwise."""
+    if not isinstance(params, dict) or not all(n in params for n in PARAM_NAMES):
+        raise ValueError(f"{op}: params: expected a dict with keys {PARAM_NAMES} (from init_moe_params), "
+                         f"got {type(params).__name__}" + (f" with keys {sorted(params)}" if isinstance(params, dict)
+                                                           else ""))
+
+
 def check_layer_params(op: str, layer_params, config: MoEConfig, stacked: bool) -> None:
     """Trace-time shape check of (stacked) layer params against ``config``; ValueError otherwise."""
-    if not isinstance(layer_params, dict) or not all(n in layer_params for n in PARAM_NAMES):
-        raise ValueError(f"{op}: params: expected a dict with keys {PARAM_NAMES} (from init_moe_params), "
-                         f"got {type(layer_params).__name__}"
-                         + (f" with keys {sorted(layer_params)}" if isinstance(layer_params, dict) else ""))
+    check_param_keys(op, layer_params)
     unknown = sorted(set(layer_params) - set(PARAM_NAMES) - set(OPTIONAL_PARAM_NAMES))
     if unknown:
         raise ValueError(f"{op}: params: expected keys among {PARAM_NAMES + OPTIONAL_PARAM_NAMES}, got unknown "

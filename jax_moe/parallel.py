@@ -66,7 +66,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_moe._validate import _fail
 from jax_moe.config import MoEConfig
 from jax_moe.experts import ExpertFn, run_experts, shared_experts
-from jax_moe.layers import EXPERT_PARAM_NAMES, PARAM_NAMES, check_layer_params, rms_norm
+from jax_moe.layers import EXPERT_PARAM_NAMES, check_layer_params, check_param_keys, rms_norm
 from jax_moe.routing import route
 from jax_moe.ops import permute, unpermute, unpermute_by_dest
 from jax_moe.scratch import BUFFER_NAMES, MoEScratch, buffer_shapes, init_scratch
@@ -291,9 +291,7 @@ def shard_params(params: dict, mesh, axis_name: str, *, placement: Sequence[int]
       The same dict with expert row ``placement[e]`` holding global expert e, the expert axis sharded
       over ``axis_name`` and the router replicated.
     """
-    if not isinstance(params, dict) or not all(name in params for name in PARAM_NAMES):
-        raise _fail("shard_params", "params", f"a dict with keys {PARAM_NAMES} (from init_moe_params)",
-                    f"dict with keys {sorted(params)}" if isinstance(params, dict) else type(params).__name__)
+    check_param_keys("shard_params", params)
     num_devices = _axis_size("shard_params", mesh, axis_name)
     num_experts = jnp.shape(params["router"])[-1]
     if num_experts % num_devices:
