@@ -2,13 +2,15 @@
 // group of up to 8 tokens. In a block each lane owns 8 consecutive experts (one 16-byte load of a
 // router row) and 8 consecutive rows of H per step (one 16-byte load of each token's x); lanes and
 // warps split the slice and a fixed-order reduction sums their parts. The last block to arrive
-// sums the slices in slice order and routes: one warp per token for the softmax and the top-k.
+// sums the slices in slice order and routes: one warp per token for the softmax, then the top k by
+// rank (every thread ranks its pairs in their token's row) or, for wide rows, in warp arg-max rounds.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "bf16_vector.cuh"
 #include "route_kernels.h"
@@ -34,6 +36,10 @@ constexpr int kMaxPerLane = kMaxExperts / 32;
 constexpr int kMaxGroups = 32;
 constexpr int kMaxSlices = 8;                     // slices of H: the last block reads 8 x T x E sums
 constexpr int kPairsAtOnce = 4;                   // pairs whose sums a thread loads at once
+// The top k by rank (each thread ranks its pairs against their token's row) while a thread has at
+// most this many compares, else a warp per token in k arg-max rounds. JAX_MOE_ROUTER_RANK_COMPARES
+// sets it (0: always the rounds), to measure one against the other.
+constexpr int kRankMaxCompares = 1024;
 
 // Phase marks for cuda/route_phase_bench.cu, which defines the macro before including this file to
 // time each phase of the kernel; nothing in the module's build.
@@ -75,6 +81,21 @@ __device__ __forceinline__ int WarpTopK(const float (&value)[kPerLane], int num_
   return chosen;
 }
 
+// A float's place in lax.top_k's total order as an unsigned key: greater floats, greater keys, -0
+// below +0, NaN above +inf (-NaN below -inf). Keys and indices together make every rank distinct.
+// (The warp rounds' float compares tie -0 with +0 and skip NaN; no routing score is -0 or NaN.)
+__device__ __forceinline__ uint32_t OrderKey(float v) {
+  const uint32_t bits = __float_as_uint(v);
+  return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+}
+
+// How many of a row's 4 keys, at experts base..base + 3, come before key k of expert e: greater,
+// or equal at a lower index (lax.top_k's order).
+__device__ __forceinline__ int CountBefore(uint4 keys, int base, uint32_t k, int e) {
+  return (keys.x > k || (keys.x == k && base < e)) + (keys.y > k || (keys.y == k && base + 1 < e)) +
+         (keys.z > k || (keys.z == k && base + 2 < e)) + (keys.w > k || (keys.w == k && base + 3 < e));
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
   for (int d = 16; d > 0; d >>= 1) v = __fadd_rn(v, __shfl_xor_sync(~0u, v, d));
   return v;
@@ -98,7 +119,10 @@ struct RouteShared {
     float warp_parts[kWarps][kGroupTokens][kTileExperts];
     struct {
       float scores[kMaxPairs];
-      float choice[kMaxPairs];
+      union {  // a pair's choice, then its key for the top k by rank
+        __align__(16) float choice[kMaxPairs];
+        __align__(16) uint32_t keys[kMaxPairs];
+      };
       float group_score[kMaxTokens][kMaxGroups];
       int eligible[kMaxTokens][kMaxGroups];
       float chosen_score[kMaxTokens][kMaxTopK];
@@ -109,7 +133,7 @@ struct RouteShared {
 };
 
 // The last block: sum the slices, score, choose and weigh every token's experts.
-__device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
+__device__ void Route(const DecodeRouteArgs& a, int slices, int rank_max_compares, RouteShared& s) {
   const int num_tokens = static_cast<int>(a.num_tokens), num_experts = static_cast<int>(a.num_experts);
   const int top_k = static_cast<int>(a.top_k), pairs = num_tokens * num_experts;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -193,21 +217,42 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
   }
 
   JAX_MOE_ROUTE_MARK(5);  // the group limit
-  // One warp per token takes its k best choices in k rounds of a warp arg-max (greater first, ties
-  // to the lower index, as lax.top_k). Lane l holds experts l, l + 32, ...; lane j keeps the j-th.
-  for (int t = warp; t < num_tokens; t += kWarps) {
-    const float* row = choice + t * num_experts;
-    float value[kMaxPerLane];
-#pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) {
-      const int e = i * 32 + lane;
-      value[i] = e < num_experts ? row[e] : -INFINITY;
+  const int pairs_per_thread = (pairs + kThreads - 1) / kThreads;
+  if (pairs_per_thread * num_experts <= rank_max_compares) {
+    // The top k by rank: a pair's rank in its token's row is how many choices come before it;
+    // ranks below k name the chosen experts in order. Every thread reads the whole row (E compares
+    // a pair, 16-byte broadcast loads): no rounds, no shuffles, one barrier.
+    for (int i = threadIdx.x; i < pairs; i += kThreads) s.route.keys[i] = OrderKey(choice[i]);
+    __syncthreads();
+    for (int i = threadIdx.x; i < pairs; i += kThreads) {
+      const int t = i / num_experts, e = i % num_experts;
+      const uint32_t k = s.route.keys[i];
+      const uint4* row = reinterpret_cast<const uint4*>(s.route.keys + t * num_experts);
+      int rank = 0;
+#pragma unroll 4
+      for (int q = 0; q < num_experts / 4; ++q) rank += CountBefore(row[q], q * 4, k, e);
+      if (rank < top_k) {
+        s.route.chosen_score[t][rank] = scores[i];
+        s.route.chosen_id[t][rank] = e;
+      }
     }
-    const int chosen = WarpTopK(value, num_experts, top_k);
-    if (lane < top_k) {
-      float weight = scores[t * num_experts + chosen];
-      s.route.chosen_score[t][lane] = weight;
-      s.route.chosen_id[t][lane] = chosen;
+  } else {
+    // One warp per token takes its k best choices in k rounds of a warp arg-max (greater first, ties
+    // to the lower index, as lax.top_k). Lane l holds experts l, l + 32, ...; lane j keeps the j-th.
+    for (int t = warp; t < num_tokens; t += kWarps) {
+      const float* row = choice + t * num_experts;
+      float value[kMaxPerLane];
+#pragma unroll
+      for (int i = 0; i < kMaxPerLane; ++i) {
+        const int e = i * 32 + lane;
+        value[i] = e < num_experts ? row[e] : -INFINITY;
+      }
+      const int chosen = WarpTopK(value, num_experts, top_k);
+      if (lane < top_k) {
+        float weight = scores[t * num_experts + chosen];
+        s.route.chosen_score[t][lane] = weight;
+        s.route.chosen_id[t][lane] = chosen;
+      }
     }
   }
   __syncthreads();
@@ -228,7 +273,8 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
 }
 
 template <int kTokens>
-__global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a, int64_t slice_rows) {
+__global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a, int64_t slice_rows,
+                                                              int rank_max_compares) {
   __shared__ RouteShared s;
   JAX_MOE_ROUTE_MARK(0);  // the block starts
   const int64_t hidden = a.hidden, num_experts = a.num_experts;
@@ -316,7 +362,15 @@ __global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a,
   JAX_MOE_ROUTE_MARK(2);  // the block's sums published and counted in
   if (!s.is_last) return;
   __threadfence();
-  Route(a, static_cast<int>(gridDim.y), s);
+  Route(a, static_cast<int>(gridDim.y), rank_max_compares, s);
+}
+
+int RankMaxCompares() {
+  static const int compares = [] {
+    const char* value = std::getenv("JAX_MOE_ROUTER_RANK_COMPARES");
+    return value != nullptr ? std::atoi(value) : kRankMaxCompares;
+  }();
+  return compares;
 }
 
 }  // namespace
@@ -348,14 +402,15 @@ cudaError_t LaunchDecodeRoute(const DecodeRouteArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(slices),
                   static_cast<unsigned>((a.num_tokens + kGroupTokens - 1) / kGroupTokens));
   const int64_t tokens = std::min<int64_t>(a.num_tokens, kGroupTokens);
+  const int compares = RankMaxCompares();
   if (tokens == 1) {
-    DecodeRouteKernel<1><<<grid, kThreads, 0, stream>>>(a, slice_rows);
+    DecodeRouteKernel<1><<<grid, kThreads, 0, stream>>>(a, slice_rows, compares);
   } else if (tokens == 2) {
-    DecodeRouteKernel<2><<<grid, kThreads, 0, stream>>>(a, slice_rows);
+    DecodeRouteKernel<2><<<grid, kThreads, 0, stream>>>(a, slice_rows, compares);
   } else if (tokens <= 4) {
-    DecodeRouteKernel<4><<<grid, kThreads, 0, stream>>>(a, slice_rows);
+    DecodeRouteKernel<4><<<grid, kThreads, 0, stream>>>(a, slice_rows, compares);
   } else {
-    DecodeRouteKernel<8><<<grid, kThreads, 0, stream>>>(a, slice_rows);
+    DecodeRouteKernel<8><<<grid, kThreads, 0, stream>>>(a, slice_rows, compares);
   }
   return cudaGetLastError();
 }
