@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from jax_moe import _validate, experts, fp8, ops, routing, stack
-from jax_moe.config import MoEConfig
+from jax_moe.config import MoEConfig, positive_int
 from jax_moe.experts import (SHARED_NAMES, ExpertFn, run_experts_and_shared, shared_experts,  # noqa: F401
                              swiglu_experts, uses_grouped_matmul)
 from jax_moe.ops import permute, unpermute
@@ -57,11 +57,10 @@ def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size
     """
     if not isinstance(config, MoEConfig):
         raise ValueError(f"init_moe_params: config: expected a MoEConfig, got {type(config).__name__}")
-    for name, value in (("num_layers", num_layers), ("ffn_size", ffn_size), ("shared_ffn_size", shared_ffn_size)):
-        if name == "shared_ffn_size" and value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"init_moe_params: {name}: expected a positive integer, got {value!r}")
+    num_layers = positive_int("init_moe_params: num_layers", num_layers)
+    ffn_size = positive_int("init_moe_params: ffn_size", ffn_size)
+    if shared_ffn_size is not None:
+        shared_ffn_size = positive_int("init_moe_params: shared_ffn_size", shared_ffn_size)
     if shared_gate and shared_ffn_size is None:
         raise ValueError("init_moe_params: shared_gate: expected shared_ffn_size too (a gate needs a shared expert)")
     dtype = config.dtype if dtype is None else jnp.dtype(dtype)

@@ -337,6 +337,20 @@ def test_helpers_reject_bad_arguments(name, call, message):
         jax.eval_shape(call)  # at trace time: on abstract values
 
 
+def test_init_moe_params_sizes_are_positive_integers():
+    """num_layers, ffn_size and shared_ffn_size: Python or NumPy integers >= 1 (shapes come out as
+    Python ints); a bool, a float, zero or a negative size names the argument."""
+    params = jax.eval_shape(lambda: jax_moe.init_moe_params(jax.random.key(0), CONFIG, np.int64(2), np.int32(8),
+                                                            shared_ffn_size=np.int64(4)))
+    assert params["gate_up"].shape == (2, 6, 16, 16) and params["shared_down"].shape == (2, 4, 16)
+    for name in ("num_layers", "ffn_size", "shared_ffn_size"):
+        for bad in (0, -2, 2.0, True, "2"):
+            kwargs = {"num_layers": 1, "ffn_size": 8, "shared_ffn_size": 4, name: bad}
+            with pytest.raises(ValueError, match=rf"init_moe_params: {name}: expected a positive integer, got {bad!r}"):
+                jax_moe.init_moe_params(jax.random.key(0), CONFIG, kwargs.pop("num_layers"), kwargs.pop("ffn_size"),
+                                        **kwargs)
+
+
 def test_load_moe_checks_max_tokens_first(tmp_path):
     """Before reading anything: a config.json that is also incomplete is not what the error names."""
     import jax_moe.hf
