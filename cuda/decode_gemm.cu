@@ -4,7 +4,6 @@
 // streams the shared weights over every row of shared_x instead). Within a block each lane owns 8
 // consecutive columns (one 16-byte load per k row) and 8 consecutive k rows per step (one 16-byte
 // load of each row's x); lanes and warps split K, and a fixed-order reduction sums their parts.
-// Tiles are 64, 96 or 128 columns (8, 12 or 16 lanes a k row); at 96 a warp's last 8 lanes idle.
 #include <cuda_bf16.h>
 #include <cooperative_groups.h>
 
@@ -104,7 +103,6 @@ __device__ __forceinline__ void Accumulate(float (&acc)[kRowsPerPass][8], const 
 template <int kVectors, int kRowsPerPass, bool kGated, int kSplit>
 __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   constexpr int kLanesK = 32 / kVectors;            // k-row groups a warp covers at once
-  constexpr bool kPow2 = (kVectors & (kVectors - 1)) == 0;  // else lanes past kLanesK * kVectors idle
   constexpr int kTileCols = kVectors * 8;           // weight columns a block reads
   constexpr int kOutCols = kGated ? kTileCols / 2 : kTileCols;  // out columns it writes
   constexpr int64_t kStep = kWarps * kLanesK * kStepRows;       // k rows the block covers per step
@@ -123,7 +121,6 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   const int out_rows = static_cast<int>(p.out_rows);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int lane_k = lane / kVectors, vec = lane % kVectors;
-  const bool lane_live = kPow2 || lane_k < kLanesK;
 
   // This lane's 8 weight columns. A gated tile reads its out columns' gate half (the first
   // kVectors / 2 lanes) and the matching up half (the rest).
@@ -167,7 +164,7 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
       for (int c = 0; c < 8; ++c) acc[m][c] = 0.0f;
     // kInFlight steps' loads in flight per lane before their arithmetic (bf16: 4 steps measured no
     // faster than 2; neither did refilling each step's registers as soon as it is consumed).
-    for (int64_t k0 = k_begin + static_cast<int64_t>(warp * kLanesK + lane_k) * kStepRows; lane_live && k0 < k_end;
+    for (int64_t k0 = k_begin + static_cast<int64_t>(warp * kLanesK + lane_k) * kStepRows; k0 < k_end;
          k0 += kInFlight * kStep) {
       uint4 w[kInFlight][kStepRows];
 #pragma unroll
@@ -180,21 +177,13 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
       for (int s = 0; s < kInFlight; ++s)
         if (k0 + s * kStep < k_end) Accumulate<kRowsPerPass>(acc, w[s], x + k0 + s * kStep, k, rows_now);
     }
-    // Sum the lanes that share columns (a fixed butterfly; at 96 columns lane l + 12 into lane l),
-    // then the warps in order.
+    // Sum the lanes that share columns (a fixed butterfly), then the warps in order.
 #pragma unroll
     for (int m = 0; m < kRowsPerPass; ++m)
 #pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        if constexpr (kPow2) {
+      for (int c = 0; c < 8; ++c)
 #pragma unroll
-          for (int d = kVectors; d < 32; d <<= 1)
-            acc[m][c] = __fadd_rn(acc[m][c], __shfl_xor_sync(0xffffffffu, acc[m][c], d));
-        } else {
-          static_assert(kLanesK == 2, "a non-power-of-two tile sums two lanes a column");
-          acc[m][c] = __fadd_rn(acc[m][c], __shfl_down_sync(0xffffffffu, acc[m][c], kVectors));
-        }
-      }
+        for (int d = kVectors; d < 32; d <<= 1) acc[m][c] = __fadd_rn(acc[m][c], __shfl_xor_sync(0xffffffffu, acc[m][c], d));
     if (lane_k == 0) {
 #pragma unroll
       for (int m = 0; m < kRowsPerPass; ++m)
@@ -260,12 +249,12 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
 // clusters of 4 over a grid past one wave cost up to 30 % (Mixtral down 79.5 us at 256 blocks).
 constexpr int64_t kWaveBlocks = 132;
 
-// A launch's shape: the tile width in weight columns (`cols`: 128, wide, each warp reading 256
-// contiguous bytes per k row; 96, mid; 64, narrow), a K split over clusters of `split` blocks, and
-// the grid: (tiles of the wider product, slots: the experts that can own rows, then the shared
-// product's), of which `working` blocks have columns to compute.
+// A launch's shape: the tile width (wide: 128 weight columns, each warp reading 256 contiguous
+// bytes per k row; narrow: 64), a K split over clusters of `split` blocks, and the grid: (tiles of
+// the wider product, slots: the experts that can own rows, then the shared product's), of which
+// `working` blocks have columns to compute.
 struct DecodeShape {
-  int cols;
+  bool wide;
   int split;
   int64_t tiles, slots, working;
 };
@@ -276,7 +265,7 @@ struct DecodeShape {
 int64_t BusiestSmBytes(const DecodeShape& shape, int64_t k) {
   const int sms = GemmSmCount();
   const int64_t wave = sms > 0 ? sms : kWaveBlocks;
-  return (shape.working * shape.split + wave - 1) / wave * (k / shape.split) * shape.cols * 2;
+  return (shape.working * shape.split + wave - 1) / wave * (k / shape.split) * (shape.wide ? 128 : 64) * 2;
 }
 
 // The shape: wide tiles while they fill more than a wave of blocks, narrow ones otherwise; then a K
@@ -284,39 +273,23 @@ int64_t BusiestSmBytes(const DecodeShape& shape, int64_t k) {
 // BusiestSmBytes instead was slower where it picked narrow tiles for large grids: Mixtral at T = 1,
 // 226 vs 192 us a layer; DeepSeek-V3 at T = 16, 2670 vs 2161: notebooks/results/
 // bench_decode_balanced_shape_h200.md. The cost decides only whether a shared product joins.)
-// Then 96-column tiles where the grid is past one wave and they leave the busiest SM fewer bytes:
-// Qwen3-30B's gate/up at T = 1 is 192 narrow blocks, two on 60 SMs, one on the rest; 128 mid
-// blocks are one an SM with 3/4 of those bytes. JAX_MOE_DECODE_MID_TILES=0 turns them off (to
-// measure them against the two widths alone).
-bool MidTilesOn() {
-  static const bool on = [] {
-    const char* value = std::getenv("JAX_MOE_DECODE_MID_TILES");
-    return value == nullptr || std::string(value) != "0";
-  }();
-  return on;
-}
-
 DecodeShape ShapeOf(const DecodeGemmArgs& args) {
   const bool gated = args.gated, shared = args.shared_weights != nullptr;
   const int64_t routed_slots = std::min(args.num_groups, args.out_rows);
   const int64_t routed_width = gated ? args.n / 2 : args.n, shared_width = gated ? args.shared_n / 2 : args.shared_n;
   const int64_t k = std::min(routed_slots > 0 ? args.k : INT64_MAX, shared ? args.shared_k : INT64_MAX);
-  auto shape_of = [&](int cols) {
-    const int64_t out_cols = gated ? cols / 2 : cols;
+  auto shape_of = [&](bool wide) {
+    const int64_t out_cols = (gated ? 32 : 64) * (wide ? 2 : 1);
     const int64_t routed_tiles = routed_slots > 0 ? (routed_width + out_cols - 1) / out_cols : 0;
     const int64_t shared_tiles = shared ? (shared_width + out_cols - 1) / out_cols : 0;
-    return DecodeShape{cols, 1, std::max(routed_tiles, shared_tiles), routed_slots + (shared ? 1 : 0),
+    return DecodeShape{wide, 1, std::max(routed_tiles, shared_tiles), routed_slots + (shared ? 1 : 0),
                        routed_tiles * routed_slots + shared_tiles};
   };
-  const DecodeShape wide = shape_of(128);
-  DecodeShape shape = wide.working > kWaveBlocks ? wide : shape_of(64);
-  if (shape.working > kWaveBlocks && MidTilesOn()) {
-    const DecodeShape mid = shape_of(96);
-    if (BusiestSmBytes(mid, k) < BusiestSmBytes(shape, k)) return mid;  // past a wave: no split
-  }
+  const DecodeShape wide = shape_of(true);
+  DecodeShape shape = wide.working > kWaveBlocks ? wide : shape_of(false);
   const int64_t k_steps = k / kStepRows;
   for (int split : {4, 2})
-    if (split * shape.working <= kWaveBlocks && k_steps >= split * kWarps * (32 / (shape.cols / 8))) {
+    if (split * shape.working <= kWaveBlocks && k_steps >= split * kWarps * (32 / (shape.wide ? 16 : 8))) {
       shape.split = split;
       break;
     }
@@ -339,17 +312,13 @@ cudaError_t LaunchSplit(const DecodeGemmArgs& args, const DecodeShape& shape, cu
 
 template <int kVectors, int kRowsPerPass, bool kGated>
 cudaError_t Launch(const DecodeGemmArgs& args, const DecodeShape& shape, cudaStream_t stream) {
-  if constexpr (kVectors == 12) {  // mid tiles only past a wave: never split
-    return LaunchSplit<kVectors, kRowsPerPass, kGated, 1>(args, shape, stream);
-  } else {
-    switch (shape.split) {
-      case 4:
-        return LaunchSplit<kVectors, kRowsPerPass, kGated, 4>(args, shape, stream);
-      case 2:
-        return LaunchSplit<kVectors, kRowsPerPass, kGated, 2>(args, shape, stream);
-    }
-    return LaunchSplit<kVectors, kRowsPerPass, kGated, 1>(args, shape, stream);
+  switch (shape.split) {
+    case 4:
+      return LaunchSplit<kVectors, kRowsPerPass, kGated, 4>(args, shape, stream);
+    case 2:
+      return LaunchSplit<kVectors, kRowsPerPass, kGated, 2>(args, shape, stream);
   }
+  return LaunchSplit<kVectors, kRowsPerPass, kGated, 1>(args, shape, stream);
 }
 
 template <int kVectors, bool kGated>
@@ -370,13 +339,7 @@ cudaError_t LaunchRows(const DecodeGemmArgs& args, const DecodeShape& shape, cud
 template <bool kGated>
 cudaError_t LaunchShaped(const DecodeGemmArgs& args, cudaStream_t stream) {
   const DecodeShape shape = ShapeOf(args);
-  switch (shape.cols) {
-    case 128:
-      return LaunchRows<16, kGated>(args, shape, stream);
-    case 96:
-      return LaunchRows<12, kGated>(args, shape, stream);
-  }
-  return LaunchRows<8, kGated>(args, shape, stream);
+  return shape.wide ? LaunchRows<16, kGated>(args, shape, stream) : LaunchRows<8, kGated>(args, shape, stream);
 }
 
 cudaError_t LaunchOne(const DecodeGemmArgs& args, cudaStream_t stream) {

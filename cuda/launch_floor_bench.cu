@@ -21,7 +21,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kLaunches = 400;                          // launches a graph (a replay reads 216 MB)
 constexpr int64_t kBlockBytes = kThreads * 16;          // one 16-byte load a thread
-constexpr int kMaxBlocks = 1024;
+constexpr int kMaxBlocks = kThreads;                   // the last block reads one value a thread
 
 struct Sync {
   unsigned arrived;     // the count-in (reset by the last block)
@@ -61,9 +61,9 @@ __device__ __forceinline__ bool CountIn(float value, Sync* s) {
   __syncthreads();
   if (!is_last) return false;
   __threadfence();
+  // Thread b reads block b's value (the loads in parallel, as the router's last block reads its sums).
+  const float sum = BlockSum(threadIdx.x < gridDim.x ? __ldcg(&s->published[threadIdx.x]) : 0.0f);
   if (threadIdx.x == 0) {
-    float sum = 0.0f;
-    for (unsigned b = 0; b < gridDim.x; ++b) sum += __ldcg(&s->published[b]);
     s->result = sum;
     s->arrived = 0;  // for the next launch (stream order publishes it)
   }

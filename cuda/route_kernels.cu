@@ -3,7 +3,7 @@
 // router row) and 8 consecutive rows of H per step (one 16-byte load of each token's x); lanes and
 // warps split the slice and a fixed-order reduction sums their parts. The last block to arrive
 // sums the slices in slice order and routes: one warp per token for the softmax, then the top k by
-// rank (every thread ranks its pairs in their token's row) or, for wide rows, in warp arg-max rounds.
+// rank (every thread ranks its pairs in their token's row) or, for longer rows, in warp arg-max rounds.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -37,9 +37,13 @@ constexpr int kMaxGroups = 32;
 constexpr int kMaxSlices = 8;                     // slices of H: the last block reads 8 x T x E sums
 constexpr int kPairsAtOnce = 4;                   // pairs whose sums a thread loads at once
 // The top k by rank (each thread ranks its pairs against their token's row) while a thread has at
-// most this many compares, else a warp per token in k arg-max rounds. JAX_MOE_ROUTER_RANK_COMPARES
-// sets it (0: always the rounds), to measure one against the other.
-constexpr int kRankMaxCompares = 1024;
+// most this many compares, else a warp per token in k arg-max rounds. Measured on an H100, the
+// routing block's top k with its code cold (route_phase_bench, notebooks/results/
+// router_rank_h100.md), rounds -> rank: Qwen3-30B T = 1 3.3 -> 1.2 us (128 compares a thread),
+// DeepSeek-V3 T = 1 3.3 -> 2.7 (256), Mixtral 1.1 -> 0.6; but DeepSeek-V3 T = 2 3.5 -> 5.5 (512) and
+// Qwen3.5 T = 1 4.1 -> 9.9 (1024): the compares are issue-bound. JAX_MOE_ROUTER_RANK_COMPARES sets
+// the limit (0: always the rounds), to measure one against the other.
+constexpr int kRankMaxCompares = 256;
 
 // Phase marks for cuda/route_phase_bench.cu, which defines the macro before including this file to
 // time each phase of the kernel; nothing in the module's build.
