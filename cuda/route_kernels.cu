@@ -39,7 +39,7 @@ constexpr int kPairsAtOnce = 4;                   // pairs whose sums a thread l
 // The top k by rank (each thread ranks its pairs against their token's row) while a thread has at
 // most this many compares, else a warp per token in k arg-max rounds. Measured on an H100, the
 // routing block's top k with its code cold (route_phase_bench, notebooks/results/
-// router_rank_h100.md), rounds -> rank: Qwen3-30B T = 1 3.3 -> 1.2 us (128 compares a thread),
+// router_rank_phases_h100.txt), rounds -> rank: Qwen3-30B T = 1 3.3 -> 1.2 us (128 compares a thread),
 // DeepSeek-V3 T = 1 3.3 -> 2.7 (256), Mixtral 1.1 -> 0.6; but DeepSeek-V3 T = 2 3.5 -> 5.5 (512) and
 // Qwen3.5 T = 1 4.1 -> 9.9 (1024): the compares are issue-bound. JAX_MOE_ROUTER_RANK_COMPARES sets
 // the limit (0: always the rounds), to measure one against the other.
@@ -87,7 +87,8 @@ __device__ __forceinline__ int WarpTopK(const float (&value)[kPerLane], int num_
 
 // A float's place in lax.top_k's total order as an unsigned key: greater floats, greater keys, -0
 // below +0, NaN above +inf (-NaN below -inf). Keys and indices together make every rank distinct.
-// (The warp rounds' float compares tie -0 with +0 and skip NaN; no routing score is -0 or NaN.)
+// (The warp rounds' float compares tie -0 with +0 and order NaN by position; a choice is never -0,
+// and NaN only from non-finite inputs, where both still give in-range, distinct ids.)
 __device__ __forceinline__ uint32_t OrderKey(float v) {
   const uint32_t bits = __float_as_uint(v);
   return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
