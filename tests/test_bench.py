@@ -127,6 +127,36 @@ def test_rows_record_buffer_copies(permute_rows):
     assert all(v > 0 for r in not_donated for v in r["hlo_buffer_copies"].values())  # copied once
 
 
+def test_gemm_timing_grows_n2_until_the_op_is_above_the_noise(monkeypatch):
+    # A CI run once timed the tiny dense GEMM at -2.4 µs (N2 - N1 = 3 calls under a loaded CPU's
+    # noise). The harness must grow N2 until the difference is resolved, and never report <= 0.
+    seen = []
+
+    def fake(programs, state, routing, results):
+        seen.append(tuple(sorted(programs)))
+        return results.pop(0), state
+
+    def timed_with(results):
+        seen.clear()
+        with mock.patch.object(timing, "per_layer_seconds", lambda p, s, r: fake(p, s, r, results)):
+            return gemm_suite._timed(lambda a: (a + 1, (a,)), (jnp.ones(4),))
+
+    noisy = {"per_layer_s": -2e-6, "spread_s": 3e-6, "repeats": 5}
+    quiet = {"per_layer_s": 4e-6, "spread_s": 1e-6, "repeats": 5}
+    got = timed_with([noisy, dict(noisy, per_layer_s=2e-6), quiet])  # 2 µs is within its 3 µs spread
+    g = gemm_suite.RESOLVE_GROWTH
+    n1, n2 = gemm_suite.REPEATS
+    assert seen == [(n1, n2), (n1, n2 * g), (n1, n2 * g * g)] and n2 * g * g == gemm_suite.MAX_REPEATS_N2
+    assert got == {"s": 4e-6, "spread_s": 1e-6, "repeats": 5, "n2": n2 * g * g}
+    # At the largest N2 a positive time within its spread is reported with that spread...
+    got = timed_with([noisy, noisy, dict(noisy, per_layer_s=2e-6)])
+    assert got["s"] == 2e-6 and got["spread_s"] == 3e-6 and len(seen) == 3
+    # ...and one still <= 0 is an error, never a row.
+    with pytest.raises(RuntimeError, match="not resolved above the timing noise"):
+        timed_with([noisy] * 3)
+    assert seen[-1] == (n1, gemm_suite.MAX_REPEATS_N2)
+
+
 def test_gemm_suite_measures_each_implementation_and_the_layer(monkeypatch):
     # 64 tokens, not fewer: the per-op time is a difference of two programs' wall times, and an
     # op of a few µs can drown in a loaded CPU's noise (seen once at 4 tokens).

@@ -30,7 +30,9 @@ LAYER_TOKENS = (1, 1024, 4096)  # the whole-layer comparison
 # per call at E=256 and up, so only the models with at most this many experts.
 GRAD_TOKENS = (1024,)
 GRAD_MAX_EXPERTS = 128
-REPEATS = (1, 4)  # N1, N2
+REPEATS = (1, 4)  # N1, N2; N2 grows where an op is below the timing noise (_timed)
+RESOLVE_GROWTH = 8
+MAX_REPEATS_N2 = 256
 DECODE_CONTENDER_MAX_ROWS_PER_EXPERT = 64  # the decode kernel is also timed up to this many
 # ragged_dot is skipped where it takes seconds per call (issue 8 measured 157 ms for DeepSeek-V3 at
 # 8192 rows): the suite would spend its device time there.
@@ -44,8 +46,11 @@ COPY_BYTES = 1 << 30
 METHOD = ("Each op runs N times inside one jitted fori_loop, its operands in the carry behind an "
           "optimisation barrier (nothing is hoisted), a scratch threaded through; time per op = "
           "(t(N2) - t(N1)) / (N2 - N1) of median wall times, N1, N2 = %d, %d: host dispatch cancels "
-          "(timing.per_layer_seconds: the two programs alternate after %d warm-up calls, %d-%d times)."
-          % (*REPEATS, timing.WARMUP_CALLS, timing.MIN_REPEATS, timing.MAX_REPEATS))
+          "(timing.per_layer_seconds: the two programs alternate after %d warm-up calls, %d-%d times). "
+          "Where the time is not above its spread (the interquartile ranges over N2 - N1), N2 grows %dx "
+          "up to %d (the row's n2, spread_us beside it); a time still <= 0 there is an error row."
+          % (*REPEATS, timing.WARMUP_CALLS, timing.MIN_REPEATS, timing.MAX_REPEATS,
+             RESOLVE_GROWTH, MAX_REPEATS_N2))
 NOTES = [
     "GEMM: the fused gate/up projection of one layer, [T*k, H] x [El, H, 2F], bf16 in and out, f32 "
     "accumulation; rows routed uniformly at random.",
@@ -80,14 +85,29 @@ def loop_program(fn, n: int, consume=timing.consume_all):
 def _timed(fn, operands) -> dict:
     """Seconds per call of ``fn(*operands) -> (out, operands)``, by the N1/N2 in-graph difference.
 
-    The operands returned are the next call's (a scratch threads through, written in place).
+    The operands returned are the next call's (a scratch threads through, written in place). An op
+    of a few µs can sit below the wall-clock noise of N2 - N1 = 3 calls (a loaded CPU once gave a
+    negative time): while the time is not above its spread (timing.per_layer_seconds), N2 grows
+    RESOLVE_GROWTH-fold, up to MAX_REPEATS_N2. There a positive time is reported with its spread
+    (noise that scales with the program's length does not shrink with N2); a time <= 0 raises.
     """
-    compiled = {n: jax.jit(loop_program(fn, n)).lower(operands).compile() for n in REPEATS}
-    # timing.per_layer_seconds (the permute suite's harness) alternates and differences the two;
-    # the "state" it threads is just the probe scalar here: every call starts from the operands.
-    programs = {n: (lambda _state, _routing, c=compiled[n]: c(operands)) for n in REPEATS}
-    result, _ = timing.per_layer_seconds(programs, None, dict.fromkeys(REPEATS))
-    return {"s": result["per_layer_s"], "repeats": result["repeats"]}
+    small, large = REPEATS
+    compiled = {}
+    while True:
+        for n in (small, large):
+            if n not in compiled:
+                compiled[n] = jax.jit(loop_program(fn, n)).lower(operands).compile()
+        # timing.per_layer_seconds (the permute suite's harness) alternates and differences the
+        # two; the "state" it threads is just the probe scalar here: every call starts from the operands.
+        programs = {n: (lambda _state, _routing, c=compiled[n]: c(operands)) for n in (small, large)}
+        result, _ = timing.per_layer_seconds(programs, None, dict.fromkeys(programs))
+        if result["per_layer_s"] > max(0.0, result["spread_s"]) or large >= MAX_REPEATS_N2:
+            break
+        large = min(MAX_REPEATS_N2, large * RESOLVE_GROWTH)
+    if result["per_layer_s"] <= 0:
+        raise RuntimeError(f"time per call not resolved above the timing noise at N2 = {large}: "
+                           f"{result['per_layer_s'] * 1e6:.2f} µs, spread {result['spread_s'] * 1e6:.2f} µs")
+    return {"s": result["per_layer_s"], "spread_s": result["spread_s"], "repeats": result["repeats"], "n2": large}
 
 
 def _routed_scratch(config, tokens, key):
@@ -153,7 +173,8 @@ def measure_gemm(model: ModelShape, tokens: int, clock, notes) -> list[dict]:
     for name, (fn, operands) in impls.items():
         try:
             result = _timed(fn, operands)
-            row = {**base, "impl": name, "us": result["s"] * 1e6, "repeats": result["repeats"]}
+            row = {**base, "impl": name, "us": result["s"] * 1e6, "repeats": result["repeats"], "n2": result["n2"],
+                   "spread_us": result["spread_s"] * 1e6}
         except Exception as e:  # one failing implementation must not end the run
             row = {**base, "impl": name, "error": timing.describe_error(e)}
         if "us" in row:
