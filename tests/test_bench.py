@@ -285,6 +285,33 @@ def test_decode_suite_measures_each_model_in_a_process_of_its_own_when_asked():
     assert rows == [] and any("decode tiny: failed" in n and "status 1" in n for n in notes)
 
 
+def test_stacks_fit_the_card_and_both_sides_of_the_decode_suite_use_one_count(monkeypatch):
+    """layers_that_fit: the wanted count where the bf16 params fit PARAMS_SHARE of the allocator's
+    limit (an H200's 0.92 x 150 GB keeps DeepSeek-V3's 4 and Qwen3.5's 8), fewer on an 80 GB card,
+    never below MIN_LAYERS; the decode suite gives the peer and jax_moe the same count and notes
+    the cap; the stack suite's rows carry the count it ran."""
+    from jax_moe.bench import models
+    deepseek, qwen35 = MODELS["deepseek_v3"], MODELS["qwen35_397b"]
+    assert deepseek.layer_param_bytes() == 2 * (256 * 3 * 7168 * 2048 + 3 * 7168 * 2048 + 7168 * 256)
+    h200, h100 = 0.92 * 150.2e9, 0.92 * 85.0e9
+    assert [decode_suite.stack_layers(m, h200) for m in (deepseek, qwen35)] == [4, 8]
+    assert [decode_suite.stack_layers(m, None) for m in (deepseek, qwen35)] == [4, 8]
+    assert [decode_suite.stack_layers(m, h100) for m in (deepseek, qwen35)] == [2, 4]
+    assert deepseek.layers_that_fit(4, 1e9) == models.MIN_LAYERS  # too small: the step's OOM says so
+    assert TINY.layers_that_fit(2, 1e9) == 2
+
+    small_card = 2.5 * TINY.layer_param_bytes() / models.PARAMS_SHARE
+    monkeypatch.setattr(decode_suite, "LAYERS", {**decode_suite.LAYERS, "tiny": 3})
+    monkeypatch.setattr(timing, "card_bytes", lambda: small_card)
+    seen = {}
+    monkeypatch.setattr(decode_suite, "run_peer", lambda model, tokens, layers: seen.setdefault("peer", layers) and {})
+    rows, notes = decode_suite.run([TINY], (2,), timing.Clock(), 1, isolate=False)
+    assert seen["peer"] == 2 and {r["layers"] for r in rows} == {2}, (seen, rows)
+    assert any(n.startswith("tiny: 2 layers, not 3") for n in notes), notes
+    rows, _ = stack_suite.run([dataclasses.replace(TINY, stack_layers=3)], (2,), timing.Clock(), 1)
+    assert rows and {r["layers"] for r in rows} == {2}, rows
+
+
 def test_decode_suite_sizes_the_scratch_for_a_server_when_asked():
     """scratch_tokens (--scratch-tokens): the step decodes T tokens on a scratch sized for more, as a
     server does on its prefill scratch; the same routing and bytes as the T-sized scratch, in this

@@ -2,7 +2,8 @@
 
 Per model and T (by default 1 to 64 tokens; ``--tokens 4096`` for prefill): one jitted step of
 ``moe_stack`` over L layers (rolled scan, scratch donated and threaded step to step, routing by each
-layer's own router), µs per layer, for
+layer's own router; L from LAYERS, fewer where the card cannot hold them: ``stack_layers``, said in
+the notes), µs per layer, for
 - ``jax_moe``: the kernels ``gemm.pick_tile`` chooses (the decode kernel at few rows per expert);
 - ``jax_moe/cutlass``: the same step with the decode kernel switched off (CUTLASS grouped GEMMs:
   the path before it), so the crossover is measured in the same run;
@@ -49,7 +50,7 @@ import jax_moe
 from jax_moe import experts, fp8, gemm
 from jax_moe.bench import timing, torch_peer
 from jax_moe.bench.models import MODELS as MODEL_SHAPES
-from jax_moe.bench.models import ROW_DTYPE, ModelShape
+from jax_moe.bench.models import MIN_LAYERS, ROW_DTYPE, ModelShape
 from jax_moe.bench.stack_suite import init_stack_params
 
 MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
@@ -156,8 +157,9 @@ def _active_experts(params, x, config) -> float:
     return float((counts > 0).sum(axis=-1).mean())
 
 
-def _layers(model: ModelShape) -> int:
-    return LAYERS.get(model.name, model.stack_layers or 2)
+def stack_layers(model: ModelShape, limit_bytes: float | None) -> int:
+    """L of the model's stack: LAYERS' count, fewer where the card cannot hold it (``layers_that_fit``)."""
+    return model.layers_that_fit(LAYERS.get(model.name, model.stack_layers or MIN_LAYERS), limit_bytes)
 
 
 def _time_step(params, x, config, layers: int, row: dict) -> None:
@@ -182,12 +184,13 @@ def _log(clock, rows, model: ModelShape, tokens: int) -> None:
 
 
 def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict | None,
-                  scratch_tokens: int | None = None) -> list[dict]:
+                  scratch_tokens: int | None = None, layers: int | None = None) -> list[dict]:
     """jax_moe's rows (all variants) and, with ``peer`` (run_peer's results), the peer's.
 
     scratch_tokens: each step's scratch holds max(T, scratch_tokens) tokens (a server decoding on
-    the scratch it prefilled with); None: T, the smallest."""
-    layers = _layers(model)
+    the scratch it prefilled with); None: T, the smallest. layers: L of the stack (None:
+    ``stack_layers`` for this device)."""
+    layers = layers or stack_layers(model, timing.card_bytes())
     key = jax.random.PRNGKey(0)
     stack_args = (key, model.config(max(token_counts)), layers, model.ffn_size)
     params = init_stack_params(*stack_args, **model.param_options())
@@ -246,7 +249,8 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
 
 
 def measure_model_in_child(model: ModelShape, token_counts, copy_gbs, peer: dict | None,
-                           timeout_s: float | None = None, scratch_tokens: int | None = None) -> list[dict]:
+                           timeout_s: float | None = None, scratch_tokens: int | None = None,
+                           layers: int | None = None) -> list[dict]:
     """``measure_model`` in a process of its own (``_child_main(SPEC, OUT)``).
 
     Its device memory goes back to the card when it exits. In one process, Qwen3.5-397B (103 GB of
@@ -261,7 +265,7 @@ def measure_model_in_child(model: ModelShape, token_counts, copy_gbs, peer: dict
     with tempfile.TemporaryDirectory() as folder:
         spec, out = pathlib.Path(folder, "spec.json"), pathlib.Path(folder, "rows.json")
         spec.write_text(json.dumps({"model": model.name, "tokens": list(token_counts), "copy_gbs": copy_gbs,
-                                    "peer": peer, "scratch_tokens": scratch_tokens}))
+                                    "peer": peer, "scratch_tokens": scratch_tokens, "layers": layers}))
         try:
             # -c, not -m: jax_moe.bench imports this module, and runpy warns when -m runs it again.
             done = subprocess.run([sys.executable, "-c", _CHILD, str(spec), str(out)], timeout=timeout_s)
@@ -281,7 +285,7 @@ def _child_main(argv: list[str]) -> None:
     spec = json.loads(pathlib.Path(spec_path).read_text())
     peer = None if spec["peer"] is None else {int(t): r for t, r in spec["peer"].items()}  # JSON keys are str
     rows = measure_model(MODEL_SHAPES[spec["model"]], tuple(spec["tokens"]), timing.Clock(), spec["copy_gbs"], peer,
-                         spec["scratch_tokens"])
+                         spec["scratch_tokens"], spec["layers"])
     pathlib.Path(out_path).write_text(json.dumps(rows))
 
 
@@ -296,10 +300,17 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_
                    and os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() == "false")
     from jax_moe.bench.gemm_suite import copy_ceiling_gbs
     notes = []
+    # One L per model for both sides, from this process's allocator limit (the child's is the same card's).
+    limit = timing.card_bytes()
+    layers = {model.name: stack_layers(model, limit) for model in models}
+    for model in models:
+        if layers[model.name] != stack_layers(model, None):
+            notes.append(f"{model.name}: {layers[model.name]} layers, not {stack_layers(model, None)}: "
+                         f"{model.layer_param_bytes() / 1e9:.1f} GB a layer, {limit / 1e9:.0f} GB allocator limit")
     # Every peer first, before JAX holds any of the card (two allocators on one card fail falsely).
     peers = {}
     for model in models if with_peer else ():
-        peers[model.name] = run_peer(model, token_counts, _layers(model))
+        peers[model.name] = run_peer(model, token_counts, layers[model.name])
         errors = [r["error"] for r in peers[model.name].values() if "error" in r]
         clock.log(f"decode peer {model.name}: " + (errors[0] if errors else ", ".join(
             f"T={t} {r['us_per_layer']:.0f} us" for t, r in peers[model.name].items())))
@@ -316,10 +327,10 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_
         if isolate:
             remaining = None if time_limit_s is None else max(60.0, time_limit_s - clock.elapsed())
             measure = functools.partial(measure_model_in_child, model, token_counts, copy, peers.get(model.name),
-                                        remaining, scratch_tokens)
+                                        remaining, scratch_tokens, layers[model.name])
         else:
             measure = functools.partial(measure_model, model, token_counts, clock, copy, peers.get(model.name),
-                                        scratch_tokens)
+                                        scratch_tokens, layers[model.name])
         timing.measure_isolated(rows, notes, clock, f"decode {model.name}: failed", measure, on_rows)
     return rows, notes
 

@@ -9,6 +9,11 @@ import jax.numpy as jnp
 from jax_moe.config import MoEConfig
 
 ROW_DTYPE = jnp.bfloat16
+# A stack's params may take this share of the allocator's limit (ModelShape.layers_that_fit); the
+# rest is the step's temporaries (at prefill, the permuted rows and the products). Every count it
+# leaves still streams far more than L2 a step.
+PARAMS_SHARE = 0.8
+MIN_LAYERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,21 @@ class ModelShape:
     def describe(self) -> str:
         return f"{self.label} (E{self.num_experts}, k{self.top_k}, H{self.hidden_size})"
 
+    def layer_param_bytes(self) -> int:
+        """Bytes of one layer of the bf16 stack: the experts, the shared expert and the router."""
+        hidden = self.hidden_size
+        weights = self.num_experts * 3 * hidden * self.ffn_size + 3 * hidden * (self.shared_ffn or 0)
+        return 2 * (weights + hidden * self.num_experts)
+
+    def layers_that_fit(self, wanted: int, limit_bytes: float | None) -> int:
+        """``wanted`` stack layers, or fewer where their bf16 params would take more than
+        PARAMS_SHARE of ``limit_bytes`` (the allocator's limit, ``timing.card_bytes()``; None: no
+        limit), never below MIN_LAYERS. An 80 GB H100 holds two DeepSeek-V3 layers (22.6 GB each)
+        beside a step, not four; the H200 keeps the counts chosen for it."""
+        if limit_bytes is None:
+            return wanted
+        return max(MIN_LAYERS, min(wanted, int(PARAMS_SHARE * limit_bytes // self.layer_param_bytes())))
+
 
 MODELS = {m.name: m for m in (
     ModelShape("mixtral", "Mixtral-8x7B", 8, 2, 4096, ffn_size=14336),
@@ -65,7 +85,7 @@ MODELS = {m.name: m for m in (
     ModelShape("deepseek_v3", "DeepSeek-V3", 256, 8, 7168, ffn_size=2048, stack_layers=4,
                routing=dict(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5,
                             renormalize_epsilon=1e-20), shared_ffn=2048, router_bias=True),
-    # One sigmoid-gated shared expert; its width is taken as F here. Stack: 6.4 GB of experts per
+    # One sigmoid-gated shared expert; its width is taken as F here. Stack: 12.9 GB of experts per
     # layer; 8 layers (the real model has 60).
     ModelShape("qwen35_397b", "Qwen3.5-397B-A17B", 512, 10, 4096, ffn_size=1024, stack_layers=8, shared_ffn=1024,
                shared_gate=True),

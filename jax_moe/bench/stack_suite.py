@@ -102,9 +102,9 @@ def make_step(variant: Variant, config, unroll) -> Callable:
     return step
 
 
-def _row(model: ModelShape, tokens: int, variant: Variant, scan: str) -> dict:
+def _row(model: ModelShape, layers: int, tokens: int, variant: Variant, scan: str) -> dict:
     return {"model": model.name, "label": model.label, "E": model.num_experts, "k": model.top_k,
-            "H": model.hidden_size, "F": model.ffn_size, "layers": model.stack_layers, "T": tokens,
+            "H": model.hidden_size, "F": model.ffn_size, "layers": layers, "T": tokens,
             "variant": variant.name, "donated": variant.donated, "scan": scan}
 
 
@@ -112,7 +112,7 @@ def measure_model(model: ModelShape, token_counts, clock: timing.Clock, compile_
                   seed: int = 0, time_limit_s: float | None = None, notes: list | None = None) -> list[dict]:
     """Builds the model's params once, then compiles and times every (T, scan, variant)."""
     key = jax.random.PRNGKey(seed)
-    layers = model.stack_layers
+    layers = model.layers_that_fit(model.stack_layers, timing.card_bytes())  # fewer on a smaller card
     params = init_stack_params(key, model.config(max(token_counts)), layers, model.ffn_size, **model.param_options())
     param_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
     clock.log(f"stack {model.name}: L={layers}, F={model.ffn_size}, params {param_bytes / 1e9:.2f} GB")
@@ -128,7 +128,7 @@ def measure_model(model: ModelShape, token_counts, clock: timing.Clock, compile_
         entries, lowered = [], {}
         for scan, unroll in ((ROLLED, 1), (UNROLLED, True)):
             for variant in VARIANTS:
-                row = _row(model, tokens, variant, scan)
+                row = _row(model, layers, tokens, variant, scan)
                 row["param_bytes"] = param_bytes
                 try:
                     carry_spec = (y_spec, scratch_spec if variant.uses_scratch else ())

@@ -97,6 +97,12 @@ def buffer_copies(compiled) -> int | None:
         return None
 
 
+def card_bytes() -> int | None:
+    """The JAX allocator's limit on the default device (None where it reports none: CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    return stats.get("bytes_limit") if stats else None
+
+
 def describe_error(e: Exception) -> str:
     """One line for the JSON and the log: a failing case is recorded and the run goes on."""
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
