@@ -321,16 +321,36 @@ def routed_scratch(config, num_tokens: int, ids=None, seed: int = 0):
     return jax.jit(permute)(x, jnp.asarray(ids, jnp.int32), init_scratch(config))
 
 
+# Weights larger than this in float32 are drawn an expert (leading index) at a time: a whole
+# DeepSeek-V3 gate/up draw ([256, 7168, 4096]) makes 28 GiB float32 arrays and more, which an
+# 80 GB card does not hold beside the test. Smaller ones are drawn whole (the values they always had).
+WHOLE_DRAW_MAX_BYTES = 1 << 30
+
+
+def scaled_normal(key, shape, fan_in: int, dtype="bfloat16", quantize: bool = False):
+    """Standard normal draws / sqrt(fan_in) of ``shape``, in ``dtype``; with ``quantize``, the
+    float32 draws as ``jax_moe.fp8.quantize`` gives them: ``(e4m3 weights, float32 block scales)``.
+    Past WHOLE_DRAW_MAX_BYTES, one draw per leading index from split keys (other values, the same
+    distribution; FP8 blocks never span two experts, so the layout is the whole draw's).
+    Imports jax on first use."""
+    import jax
+    import jax.numpy as jnp
+    from jax_moe import fp8
+
+    def draw(k, shape):  # eager below: the division op by op, as the tests always drew (bit for bit)
+        w = jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)
+        return jax.jit(fp8.quantize)(w) if quantize else w.astype(dtype)
+
+    if 4 * int(np.prod(shape)) <= WHOLE_DRAW_MAX_BYTES:
+        return draw(key, tuple(shape))
+    return jax.jit(lambda k: jax.lax.map(lambda kk: draw(kk, tuple(shape[1:])), jax.random.split(k, shape[0])))(key)
+
+
 def fp8_swiglu_weights(keys, num_experts: int, hidden: int, ffn: int, shared_ffn: int):
     """FP8 SwiGLU experts and a shared expert whose products have unit variance, from keys[0..3]:
     ``(gate_up, down, shared_gate_up, shared_down)``, each ``(e4m3 weights, float32 block scales)``
     in the checkpoint layout ([El, 2F, H], [El, H, F], [2Fs, H], [H, Fs]). Imports jax on first use."""
-    import jax
-    import numpy as np
-    from jax_moe import fp8
-
-    quantize = jax.jit(fp8.quantize)
-    return (quantize(jax.random.normal(keys[0], (num_experts, 2 * ffn, hidden)) / np.sqrt(hidden)),
-            quantize(jax.random.normal(keys[1], (num_experts, hidden, ffn)) / np.sqrt(ffn)),
-            quantize(jax.random.normal(keys[2], (2 * shared_ffn, hidden)) / np.sqrt(hidden)),
-            quantize(jax.random.normal(keys[3], (hidden, shared_ffn)) / np.sqrt(shared_ffn)))
+    return (scaled_normal(keys[0], (num_experts, 2 * ffn, hidden), hidden, quantize=True),
+            scaled_normal(keys[1], (num_experts, hidden, ffn), ffn, quantize=True),
+            scaled_normal(keys[2], (2 * shared_ffn, hidden), hidden, quantize=True),
+            scaled_normal(keys[3], (hidden, shared_ffn), shared_ffn, quantize=True))

@@ -21,7 +21,7 @@ import jax_moe
 from jax_moe import MoEConfig, gemm, init_scratch, permute, unpermute
 from jax_moe.baseline import baseline_moe_stack
 from jax_moe.bench.models import MODELS
-from cases import GROUPED_GEMM_EDGE_CASES, cases, grouped_gemm_edge_case
+from cases import GROUPED_GEMM_EDGE_CASES, cases, grouped_gemm_edge_case, scaled_normal
 from oracle import assert_bitwise_equal, round_to
 
 BF16 = jnp.bfloat16
@@ -364,8 +364,7 @@ def _check_backward_kernels(config, scratch, ffn, num_rows):
     fit), and exact zeros where no group is: rows past the live ones, experts without rows."""
     rng = np.random.default_rng(7)
     num_local, hidden = config.num_local_experts, config.hidden_size
-    weights = (jax.random.normal(jax.random.key(7), (num_local, hidden, ffn), jnp.float32)
-               / np.sqrt(hidden)).astype(BF16)
+    weights = scaled_normal(jax.random.key(7), (num_local, hidden, ffn), hidden, BF16)
     d_out = jnp.asarray(rng.standard_normal((config.capacity, ffn)), BF16)
     tile = gemm.pick_tile(num_rows, num_local)
 

@@ -22,7 +22,7 @@ import jax_moe
 from jax_moe import MoEConfig, experts, fp8, gemm, init_scratch
 from jax_moe.experts import swiglu_experts
 from jax_moe.bench.models import MODELS
-from cases import GROUPED_GEMM_EDGE_CASES, fp8_swiglu_weights, grouped_gemm_edge_case, routed_scratch
+from cases import GROUPED_GEMM_EDGE_CASES, fp8_swiglu_weights, grouped_gemm_edge_case, routed_scratch, scaled_normal
 from oracle import assert_zero_past_groups
 
 BF16 = jnp.bfloat16
@@ -47,6 +47,27 @@ def test_quantize_round_trip_within_e4m3_rounding(shape):
     assert (error <= bound).all(), float((error / bound).max())
     # Each block's largest magnitude lands on e4m3's largest finite value.
     assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == fp8.FP8_MAX
+
+
+def test_model_sized_test_weights_are_drawn_an_expert_at_a_time(monkeypatch):
+    """cases.scaled_normal past its whole-draw bound (lowered here): one draw per expert, in the
+    layout of quantising those values whole (FP8 blocks never span experts); its compiled temporaries
+    for DeepSeek-V3's gate/up ([256, 7168, 4096], 15 GB of bf16) stay under 1 GB, where a whole
+    float32 draw takes 28 GiB arrays an 80 GB card does not hold beside a test."""
+    import cases
+    monkeypatch.setattr(cases, "WHOLE_DRAW_MAX_BYTES", 1000)
+    key = jax.random.key(5)
+    w = cases.scaled_normal(key, (3, 256, 384), 384, jnp.float32)
+    q, scale = cases.scaled_normal(key, (3, 256, 384), 384, quantize=True)
+    want_q, want_scale = jax.jit(fp8.quantize)(w)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale))
+    assert not np.array_equal(np.asarray(w[0]), np.asarray(w[1]))  # each expert its own key
+    assert abs(float(np.std(np.asarray(w))) * np.sqrt(384) - 1) < 0.02
+    monkeypatch.undo()
+    draw = jax.jit(lambda k: cases.scaled_normal(k, (256, 7168, 4096), 7168, BF16))
+    memory = draw.lower(key).compile().memory_analysis()
+    assert memory.output_size_in_bytes == 256 * 7168 * 4096 * 2 and memory.temp_size_in_bytes < 1e9
 
 
 def test_all_zero_block_gets_scale_one():
@@ -379,7 +400,7 @@ def _check_fp8_forward(scratch, num_local, k, n, num_rows=None, seed=4):
     num_rows = num_rows or scratch.permuted.shape[0]
     rows = scratch.permuted if k == scratch.permuted.shape[1] else jax.random.normal(
         jax.random.key(seed + 100), (scratch.permuted.shape[0], k)).astype(BF16)
-    q, scale = jax.jit(fp8.quantize)(jax.random.normal(jax.random.key(seed), (num_local, n, k)) / np.sqrt(k))
+    q, scale = scaled_normal(jax.random.key(seed), (num_local, n, k), k, quantize=True)
     workspace = scratch.workspace  # the scratch's workspace has room for the FP8 GEMM's arguments
     got, _ = jax.jit(lambda *a: gemm.fp8_forward(*a, num_rows))(rows, q, scale, scratch.expert_offsets, workspace)
     want_q, want_scale = jax.jit(fp8.quantize_rows)(jax.device_put(rows[:num_rows], jax.devices("cpu")[0]))
@@ -396,8 +417,8 @@ def _check_fp8_swiglu_forward(scratch, num_local, hidden, ffn, num_rows=None, se
     their group's scale: the quantised activation matches in all but a few bytes and the output in norm."""
     num_rows = num_rows or scratch.permuted.shape[0]
     keys = jax.random.split(jax.random.key(seed))
-    gu = jax.jit(fp8.quantize)(jax.random.normal(keys[0], (num_local, 2 * ffn, hidden)) / np.sqrt(hidden))
-    dn = jax.jit(fp8.quantize)(jax.random.normal(keys[1], (num_local, hidden, ffn)) / np.sqrt(ffn))
+    gu = scaled_normal(keys[0], (num_local, 2 * ffn, hidden), hidden, quantize=True)
+    dn = scaled_normal(keys[1], (num_local, hidden, ffn), ffn, quantize=True)
     rows, offsets, workspace = scratch.permuted, scratch.expert_offsets, scratch.workspace
     tile = gemm.fp8_tile_rows(num_rows, num_local)
     fused = jax.jit(lambda *a: gemm._fp8_swiglu_experts_call(*a, num_rows, tile))(rows, *gu, *dn, offsets, workspace)
@@ -487,8 +508,8 @@ def _check_fp8_decode(scratch, num_local, hidden, ffn, num_rows=None, rows_per_p
     group_rows: the rows staged per pass (a bound an expert may exceed: it then takes more passes)."""
     num_rows = num_rows or scratch.permuted.shape[0]
     keys = jax.random.split(jax.random.key(seed))
-    gu = jax.jit(fp8.quantize)(jax.random.normal(keys[0], (num_local, 2 * ffn, hidden)) / np.sqrt(hidden))
-    dn = jax.jit(fp8.quantize)(jax.random.normal(keys[1], (num_local, hidden, ffn)) / np.sqrt(ffn))
+    gu = scaled_normal(keys[0], (num_local, 2 * ffn, hidden), hidden, quantize=True)
+    dn = scaled_normal(keys[1], (num_local, hidden, ffn), ffn, quantize=True)
     rows, offsets = scratch.permuted, scratch.expert_offsets
     out, act = jax.jit(lambda *a: gemm._fp8_decode_swiglu_call(*a, num_rows, rows_per_pass, group_rows))(
         rows, *gu, *dn, offsets)

@@ -22,15 +22,14 @@ import pytest
 import jax_moe
 from jax_moe import MoEConfig, gemm, init_scratch
 from jax_moe.bench.models import MODELS
-from cases import GROUPED_GEMM_EDGE_CASES as GPU_EDGE_CASES, grouped_gemm_edge_case, routed_scratch
+from cases import GROUPED_GEMM_EDGE_CASES as GPU_EDGE_CASES, grouped_gemm_edge_case, routed_scratch, scaled_normal
 from oracle import assert_zero_past_groups
 
 BF16 = jnp.bfloat16
 
 
 def _weights(num_experts, k, n, seed=1):
-    w = jax.random.normal(jax.random.key(seed), (num_experts, k, n), jnp.float32) / np.sqrt(k)
-    return w.astype(BF16)
+    return scaled_normal(jax.random.key(seed), (num_experts, k, n), k, BF16)
 
 
 def _reference(rows, weights, scratch, num_rows):
