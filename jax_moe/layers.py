@@ -9,6 +9,8 @@ Expert parallelism builds on this module (``jax_moe.parallel``: ``moe_layer_ep``
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,13 @@ EXPERT_PARAM_NAMES = ("gate_up", "down") + FP8_SCALE_NAMES
 OPTIONAL_PARAM_NAMES = ("router_bias",) + SHARED_NAMES + FP8_SCALE_NAMES + SHARED_FP8_SCALE_NAMES
 
 
+# init_moe_params draws a leaf larger than this in float32 one [.., .] matrix at a time (each from
+# its own key): drawn whole, DeepSeek-V3's experts take float32 temporaries several times their
+# bf16 size (28 GiB arrays a layer, eager or jitted), more than a card holds beside the result.
+# Smaller leaves are drawn whole, with the values they always had.
+WHOLE_DRAW_MAX_BYTES = 1 << 30
+
+
 def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size: int, dtype=None, *,
                     shared_ffn_size: int | None = None, shared_gate: bool = False,
                     router_bias: bool = False) -> dict:
@@ -53,7 +62,9 @@ def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size
       ``shared_gate_up`` [L, H, 2Fs], ``shared_down`` [L, Fs, H], ``shared_gate`` [L, H, 1] and
       ``router_bias`` [L, E] when asked for. ``gate_up[..., :F]`` is the SwiGLU gate,
       ``gate_up[..., F:]`` the up projection. Only the El local experts of ``config.expert_map``
-      have weights (local index order).
+      have weights (local index order). Weights are normal / sqrt(fan-in); a leaf over
+      ``WHOLE_DRAW_MAX_BYTES`` of float32 is drawn a matrix at a time, so that model-sized params
+      need little more memory than themselves.
     """
     if not isinstance(config, MoEConfig):
         raise ValueError(f"init_moe_params: config: expected a MoEConfig, got {type(config).__name__}")
@@ -70,7 +81,13 @@ def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size
     keys = jax.random.split(key, 6)
 
     def normal(k, shape, fan_in):
-        return (jax.random.normal(k, shape, jnp.float32) / jnp.sqrt(jnp.float32(fan_in))).astype(dtype)
+        def draw(k, shape):
+            return (jax.random.normal(k, shape, jnp.float32) / jnp.sqrt(jnp.float32(fan_in))).astype(dtype)
+        if 4 * math.prod(shape) <= WHOLE_DRAW_MAX_BYTES:
+            return draw(k, shape)
+        # One matrix at a time, each from its own key: only the result is ever whole.
+        slices = jax.random.split(k, math.prod(shape[:-2]))
+        return jax.jit(lambda ks: lax.map(lambda s: draw(s, shape[-2:]), ks).reshape(shape))(slices)
 
     params = {
         "router": normal(keys[0], (num_layers, hidden, experts), hidden),

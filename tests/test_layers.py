@@ -83,6 +83,32 @@ def test_init_params_shapes_and_dtypes(name, overrides):
     assert all(np.isfinite(np.asarray(v)).all() and np.asarray(v).std() > 0 for v in f32.values())
 
 
+def test_init_params_draws_model_sized_leaves_a_matrix_at_a_time(monkeypatch):
+    """Past layers.WHOLE_DRAW_MAX_BYTES (lowered here) a leaf is drawn one matrix at a time: the
+    same shapes, dtypes and scale, each matrix its own draw; below it the values are unchanged.
+    At DeepSeek-V3's size the compiled init needs under 1 GB besides its output (a whole draw:
+    float32 temporaries of 28 GiB a layer and more)."""
+    config = _config(jnp.float32)
+    whole = init_moe_params(jax.random.key(0), config, 3, F)
+    k_gate_up = jax.random.split(jax.random.key(0), 6)[1]
+    want = jax.random.normal(k_gate_up, (3, E, H, 2 * F), jnp.float32) / jnp.sqrt(jnp.float32(H))
+    np.testing.assert_array_equal(np.asarray(whole["gate_up"]), np.asarray(want))
+    monkeypatch.setattr(layers, "WHOLE_DRAW_MAX_BYTES", 4 * 3 * H * E)  # the router [3, H, E] still whole
+    sliced = init_moe_params(jax.random.key(0), config, 3, F)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), sliced) == jax.tree.map(lambda a: (a.shape, a.dtype), whole)
+    np.testing.assert_array_equal(np.asarray(sliced["router"]), np.asarray(whole["router"]))
+    for name, fan_in in (("gate_up", H), ("down", F)):
+        got = np.asarray(sliced[name])
+        assert not np.array_equal(got, np.asarray(whole[name]))
+        assert not np.array_equal(got[0, 0], got[0, 1]) and not np.array_equal(got[0, 0], got[1, 0])
+        assert abs(got.std() * np.sqrt(fan_in) - 1) < 0.05, name
+    monkeypatch.undo()
+    deepseek = jax_moe.MoEConfig(num_experts=256, top_k=8, hidden_size=7168, max_tokens=1, dtype=jnp.bfloat16)
+    init = jax.jit(lambda k: init_moe_params(k, deepseek, 1, 2048))
+    memory = init.lower(jax.random.key(0)).compile().memory_analysis()
+    assert memory.output_size_in_bytes >= 2 * 256 * 3 * 7168 * 2048 and memory.temp_size_in_bytes < 1e9
+
+
 # Each variant in f32 (near-exact) and bf16 (loose), at T = T_max and at T < T_max, rolled,
 # unrolled and partly unrolled (the stack); the layer alone once per variant.
 STACK_CASES = [(v, dtype, tokens, (1, True, 2, 1)[j % 4])

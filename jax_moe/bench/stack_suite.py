@@ -57,10 +57,11 @@ def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int, *, fp8
                       **options) -> dict:
     """``init_moe_params`` drawn one expert at a time (``lax.map``), stacked to [L, El, ...].
 
-    Drawing a whole layer at once takes float32 temporaries several times the layer's size
-    (DeepSeek-V3: 22.5 GB of bf16 per layer), more than the card holds next to the stack. The
-    router comes from ``init_moe_params`` with the full config (and a throwaway ffn of 1); every
-    other leaf from ``init_moe_params`` for a one-expert config, so the scaling stays in one place.
+    ``init_moe_params`` itself draws model-sized leaves a matrix at a time; this stays for ``fp8``,
+    which quantises each expert as it is drawn, and for its draws (one key per expert), those of
+    every recorded run. The router comes from ``init_moe_params`` with the full config (and a
+    throwaway ffn of 1); every other leaf from ``init_moe_params`` for a one-expert config, so the
+    scaling stays in one place.
     ``fp8``: each expert quantised as it is drawn (``jax_moe.fp8``): the same draws, FP8 experts
     (the shared one too) and their scales, never a bf16 copy of the stack.
     """
