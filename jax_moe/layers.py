@@ -34,11 +34,26 @@ EXPERT_PARAM_NAMES = ("gate_up", "down") + FP8_SCALE_NAMES
 OPTIONAL_PARAM_NAMES = ("router_bias",) + SHARED_NAMES + FP8_SCALE_NAMES + SHARED_FP8_SCALE_NAMES
 
 
-# init_moe_params draws a leaf larger than this in float32 one [.., .] matrix at a time (each from
+# draw_by_matrix draws a leaf larger than this in float32 one [.., .] matrix at a time (each from
 # its own key): drawn whole, DeepSeek-V3's experts take float32 temporaries several times their
 # bf16 size (28 GiB arrays a layer, eager or jitted), more than a card holds beside the result.
 # Smaller leaves are drawn whole, with the values they always had.
 WHOLE_DRAW_MAX_BYTES = 1 << 30
+
+
+def draw_by_matrix(key: jax.Array, shape: tuple[int, ...], draw):
+    """``draw(key, shape)`` (float32 draws made into a leaf, or a pytree of leaves) as it is, or,
+    past WHOLE_DRAW_MAX_BYTES of float32, one ``draw(k, shape[-2:])`` per matrix from split keys
+    (``lax.map``), each output leaf's leading axis reshaped to ``shape[:-2]``. Only the result is
+    ever whole. (init_moe_params' draws, and the GPU tests' model-sized weights.)"""
+    if 4 * math.prod(shape) <= WHOLE_DRAW_MAX_BYTES:
+        return draw(key, shape)
+    lead = tuple(shape[:-2])
+
+    def by_matrix(keys):
+        stacked = lax.map(lambda k: draw(k, tuple(shape[-2:])), keys)
+        return jax.tree.map(lambda leaf: leaf.reshape(lead + leaf.shape[1:]), stacked)
+    return jax.jit(by_matrix)(jax.random.split(key, math.prod(lead)))
 
 
 def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size: int, dtype=None, *,
@@ -81,13 +96,8 @@ def init_moe_params(key: jax.Array, config: MoEConfig, num_layers: int, ffn_size
     keys = jax.random.split(key, 6)
 
     def normal(k, shape, fan_in):
-        def draw(k, shape):
-            return (jax.random.normal(k, shape, jnp.float32) / jnp.sqrt(jnp.float32(fan_in))).astype(dtype)
-        if 4 * math.prod(shape) <= WHOLE_DRAW_MAX_BYTES:
-            return draw(k, shape)
-        # One matrix at a time, each from its own key: only the result is ever whole.
-        slices = jax.random.split(k, math.prod(shape[:-2]))
-        return jax.jit(lambda ks: lax.map(lambda s: draw(s, shape[-2:]), ks).reshape(shape))(slices)
+        return draw_by_matrix(k, shape, lambda k, shape: (
+            jax.random.normal(k, shape, jnp.float32) / jnp.sqrt(jnp.float32(fan_in))).astype(dtype))
 
     params = {
         "router": normal(keys[0], (num_layers, hidden, experts), hidden),

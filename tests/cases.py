@@ -321,29 +321,22 @@ def routed_scratch(config, num_tokens: int, ids=None, seed: int = 0):
     return jax.jit(permute)(x, jnp.asarray(ids, jnp.int32), init_scratch(config))
 
 
-# Weights larger than this in float32 are drawn an expert (leading index) at a time: a whole
-# DeepSeek-V3 gate/up draw ([256, 7168, 4096]) makes 28 GiB float32 arrays and more, which an
-# 80 GB card does not hold beside the test. Smaller ones are drawn whole (the values they always had).
-WHOLE_DRAW_MAX_BYTES = 1 << 30
-
-
 def scaled_normal(key, shape, fan_in: int, dtype="bfloat16", quantize: bool = False):
     """Standard normal draws / sqrt(fan_in) of ``shape``, in ``dtype``; with ``quantize``, the
     float32 draws as ``jax_moe.fp8.quantize`` gives them: ``(e4m3 weights, float32 block scales)``.
-    Past WHOLE_DRAW_MAX_BYTES, one draw per leading index from split keys (other values, the same
-    distribution; FP8 blocks never span two experts, so the layout is the whole draw's).
-    Imports jax on first use."""
+    Past ``jax_moe.layers.WHOLE_DRAW_MAX_BYTES`` of float32 (DeepSeek-V3's gate/up drawn whole makes
+    28 GiB arrays, which an 80 GB card does not hold beside a test), one draw per expert matrix
+    from split keys (``layers.draw_by_matrix``: other values, the same distribution; FP8 blocks
+    never span two experts, so the layout is the whole draw's). Imports jax on first use."""
     import jax
     import jax.numpy as jnp
-    from jax_moe import fp8
+    from jax_moe import fp8, layers
 
-    def draw(k, shape):  # eager below: the division op by op, as the tests always drew (bit for bit)
+    def draw(k, shape):  # eager when whole: the division op by op, as the tests always drew (bit for bit)
         w = jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)
         return jax.jit(fp8.quantize)(w) if quantize else w.astype(dtype)
 
-    if 4 * int(np.prod(shape)) <= WHOLE_DRAW_MAX_BYTES:
-        return draw(key, tuple(shape))
-    return jax.jit(lambda k: jax.lax.map(lambda kk: draw(kk, tuple(shape[1:])), jax.random.split(k, shape[0])))(key)
+    return layers.draw_by_matrix(key, tuple(shape), draw)
 
 
 def fp8_swiglu_weights(keys, num_experts: int, hidden: int, ffn: int, shared_ffn: int):

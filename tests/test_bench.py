@@ -304,7 +304,11 @@ def test_stacks_fit_the_card_and_both_sides_of_the_decode_suite_use_one_count(mo
     monkeypatch.setattr(decode_suite, "LAYERS", {**decode_suite.LAYERS, "tiny": 3})
     monkeypatch.setattr(timing, "card_bytes", lambda: small_card)
     seen = {}
-    monkeypatch.setattr(decode_suite, "run_peer", lambda model, tokens, layers: seen.setdefault("peer", layers) and {})
+
+    def peer(model, tokens, layers):  # records the count it is given; no rows
+        seen["peer"] = layers
+        return {}
+    monkeypatch.setattr(decode_suite, "run_peer", peer)
     rows, notes = decode_suite.run([TINY], (2,), timing.Clock(), 1, isolate=False)
     assert seen["peer"] == 2 and {r["layers"] for r in rows} == {2}, (seen, rows)
     assert any(n.startswith("tiny: 2 layers, not 3") for n in notes), notes

@@ -50,12 +50,13 @@ def test_quantize_round_trip_within_e4m3_rounding(shape):
 
 
 def test_model_sized_test_weights_are_drawn_an_expert_at_a_time(monkeypatch):
-    """cases.scaled_normal past its whole-draw bound (lowered here): one draw per expert, in the
+    """cases.scaled_normal past layers' whole-draw bound (lowered here): one draw per expert, in the
     layout of quantising those values whole (FP8 blocks never span experts); its compiled temporaries
     for DeepSeek-V3's gate/up ([256, 7168, 4096], 15 GB of bf16) stay under 1 GB, where a whole
     float32 draw takes 28 GiB arrays an 80 GB card does not hold beside a test."""
     import cases
-    monkeypatch.setattr(cases, "WHOLE_DRAW_MAX_BYTES", 1000)
+    from jax_moe import layers
+    monkeypatch.setattr(layers, "WHOLE_DRAW_MAX_BYTES", 1000)
     key = jax.random.key(5)
     w = cases.scaled_normal(key, (3, 256, 384), 384, jnp.float32)
     q, scale = cases.scaled_normal(key, (3, 256, 384), 384, quantize=True)
