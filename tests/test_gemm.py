@@ -32,13 +32,38 @@ def _weights(num_experts, k, n, seed=1):
     return scaled_normal(jax.random.key(seed), (num_experts, k, n), k, BF16)
 
 
+# XLA's GPU ragged_dot materialises a [rows, experts, K] bf16 operand: DeepSeek-V3 at T = 1024
+# (8192 rows, 256 experts, K 7168) asked for 28 GiB and ran out of memory on an 80 GB H100.
+# _reference bounds that operand by running a few experts at a time.
+REFERENCE_EXPANDED_BYTES = 2**30
+
+
 def _reference(rows, weights, scratch, num_rows):
-    """ragged_dot over the scratch's groups: exact bf16 products, float32 sums. (A float32 copy
-    of DeepSeek-V3's weights made XLA's GEMM autotuner run out of memory on the H200.)"""
-    sizes = jnp.diff(scratch.expert_offsets)
-    out = jax.jit(lambda r, w, g: jax.lax.ragged_dot(r, w, g, preferred_element_type=jnp.float32))(
-        rows[:num_rows], weights, sizes)
-    return np.asarray(out)
+    """ragged_dot over the scratch's groups: exact bf16 products, float32 sums, [num_rows, N] float32
+    (rows in no group zero). (A float32 copy of DeepSeek-V3's weights made XLA's GEMM autotuner run
+    out of memory on the H200.) The experts go in chunks of `per_chunk`, each chunk's rows padded to
+    the longest chunk's, so one compiled program serves every full chunk."""
+    num_groups, k, n = weights.shape
+    offsets = np.clip(np.asarray(scratch.expert_offsets, np.int64), 0, num_rows)
+    rows = np.asarray(rows[:num_rows])
+
+    def padded_rows(per_chunk):
+        return max(int(offsets[min(e + per_chunk, num_groups)] - offsets[e]) for e in range(0, num_groups, per_chunk))
+
+    per_chunk = num_groups
+    while per_chunk > 1 and max(padded_rows(per_chunk), 1) * per_chunk * k * 2 > REFERENCE_EXPANDED_BYTES:
+        per_chunk = (per_chunk + 1) // 2
+    chunk_rows = max(padded_rows(per_chunk), 1)
+    dot = jax.jit(lambda r, w, g: jax.lax.ragged_dot(r, w, g, preferred_element_type=jnp.float32))
+    out = np.zeros((num_rows, n), np.float32)
+    for first in range(0, num_groups, per_chunk):
+        last = min(first + per_chunk, num_groups)
+        lo, hi = int(offsets[first]), int(offsets[last])
+        chunk = np.zeros((chunk_rows, k), rows.dtype)
+        chunk[:hi - lo] = rows[lo:hi]
+        sizes = jnp.asarray(np.diff(offsets[first:last + 1]), jnp.int32)
+        out[lo:hi] = np.asarray(dot(chunk, weights[first:last], sizes))[:hi - lo]
+    return out
 
 
 def _check(rows, weights, scratch, num_rows=None, tile=None):
