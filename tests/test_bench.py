@@ -316,6 +316,32 @@ def test_stacks_fit_the_card_and_both_sides_of_the_decode_suite_use_one_count(mo
     assert rows and {r["layers"] for r in rows} == {2}, rows
 
 
+def test_train_suite_sizes_the_stack_for_its_params_and_gradients(monkeypatch):
+    """train_layers: LAYERS' count where the params and their gradients fit PARAMS_SHARE of the
+    allocator's limit (the H200 keeps every count), one DeepSeek-V3 layer on an 80 GB card, never
+    below one; the peer and jax_moe get the same count, and the notes say it was capped."""
+    from jax_moe.bench import models
+    names = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
+    h200, h100 = 0.92 * 150.2e9, 0.92 * 85.0e9
+    assert [train_suite.train_layers(MODELS[n], h200) for n in names] == [train_suite.LAYERS[n] for n in names]
+    assert [train_suite.train_layers(MODELS[n], None) for n in names] == [train_suite.LAYERS[n] for n in names]
+    assert [train_suite.train_layers(MODELS[n], h100) for n in names] == [4, 8, 1, 2]
+    assert train_suite.train_layers(MODELS["deepseek_v3"], 1e9) == 1
+
+    small_card = 2.5 * train_suite.TRAIN_COPIES * TINY.layer_param_bytes() / models.PARAMS_SHARE
+    monkeypatch.setattr(train_suite, "LAYERS", {**train_suite.LAYERS, "tiny": 3})
+    monkeypatch.setattr(timing, "card_bytes", lambda: small_card)
+    seen = {}
+
+    def peer(model, tokens, layers):  # records the count it is given; no timing
+        seen["peer"] = layers
+        return {"error": "not run"}
+    monkeypatch.setattr(train_suite, "run_peer", peer)
+    rows, notes = train_suite.run([TINY], (8,), timing.Clock(), 1)
+    assert seen["peer"] == 2 and {r["layers"] for r in rows} == {2}, (seen, rows)
+    assert any(n.startswith("tiny: 2 layers, not 3") for n in notes), notes
+
+
 def test_decode_suite_sizes_the_scratch_for_a_server_when_asked():
     """scratch_tokens (--scratch-tokens): the step decodes T tokens on a scratch sized for more, as a
     server does on its prefill scratch; the same routing and bytes as the T-sized scratch, in this

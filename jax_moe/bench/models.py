@@ -63,14 +63,15 @@ class ModelShape:
         weights = self.num_experts * 3 * hidden * self.ffn_size + 3 * hidden * (self.shared_ffn or 0)
         return 2 * (weights + hidden * self.num_experts)
 
-    def layers_that_fit(self, wanted: int, limit_bytes: float | None) -> int:
-        """``wanted`` stack layers, or fewer where their bf16 params would take more than
-        PARAMS_SHARE of ``limit_bytes`` (the allocator's limit, ``timing.card_bytes()``; None: no
-        limit), never below MIN_LAYERS. An 80 GB H100 holds two DeepSeek-V3 layers (22.6 GB each)
-        beside a step, not four; the H200 keeps the counts chosen for it."""
+    def layers_that_fit(self, wanted: int, limit_bytes: float | None, copies: int = 1, least: int = MIN_LAYERS) -> int:
+        """``wanted`` stack layers, or fewer where ``copies`` of their bf16 params (2 for a training
+        step: the weights and their gradients) would take more than PARAMS_SHARE of ``limit_bytes``
+        (the allocator's limit, ``timing.card_bytes()``; None: no limit), never below ``least``. An
+        80 GB H100 holds two DeepSeek-V3 layers (22.6 GB each) beside a decode step, not four, and
+        one beside its gradients; the H200 keeps the counts chosen for it."""
         if limit_bytes is None:
             return wanted
-        return max(MIN_LAYERS, min(wanted, int(PARAMS_SHARE * limit_bytes // self.layer_param_bytes())))
+        return max(least, min(wanted, int(PARAMS_SHARE * limit_bytes // (copies * self.layer_param_bytes()))))
 
 
 MODELS = {m.name: m for m in (

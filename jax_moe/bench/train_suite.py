@@ -31,6 +31,8 @@ QUICK_TOKENS = (4096,)
 # Layers per model: the stack, its gradients and the step's temporaries fit one H200 (DeepSeek-V3:
 # 22.5 GB of bf16 experts per layer, and as much again of weight gradients).
 LAYERS = {"mixtral": 4, "qwen3_30b": 8, "deepseek_v3": 2, "qwen35_397b": 2, "tiny": 2}
+# Copies of the params a training step keeps (the weights and their gradients, both bf16).
+TRAIN_COPIES = 2
 # The pure-JAX baseline's weight gradient is ragged_dot's transpose, a dense [rows, E, H] tensor:
 # it is run only where that stays small (issue 13: Qwen3-30B at T=4096 asked 32 GiB to autotune).
 BASELINE_MAX_ROWS_X_EXPERTS = 1024 * 8 * 128
@@ -58,6 +60,13 @@ def weight_bytes_per_layer(model: ModelShape, tokens: int) -> float:
     """Bytes of expert weights a training step must move per layer: read twice, gradient written once."""
     active = model.num_experts * (1 - (1 - model.top_k / model.num_experts) ** tokens)
     return 3 * active * 3 * model.hidden_size * model.ffn_size * 2
+
+
+def train_layers(model: ModelShape, limit_bytes: float | None) -> int:
+    """L of the model's training stack: LAYERS' count, fewer where the params and their gradients
+    would not fit the card (``layers_that_fit``), down to one: an 80 GB H100 holds one DeepSeek-V3
+    layer and its gradients (45 GB), not two."""
+    return model.layers_that_fit(LAYERS.get(model.name, 2), limit_bytes, copies=TRAIN_COPIES, least=1)
 
 
 def run_peer(model: ModelShape, tokens: int, layers: int) -> dict:
@@ -134,12 +143,20 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_
     from jax_moe.bench.stack_suite import init_stack_params
     notes, rows = [METHOD], []
     cases = [(m, t) for m in models for t in token_counts]
+    # One L per model for both sides, from this process's allocator limit (the peer's card is the same).
+    limit = timing.card_bytes()
+    layers_of = {model.name: train_layers(model, limit) for model in models}
+    for model in models:
+        if layers_of[model.name] != train_layers(model, None):
+            notes.append(f"{model.name}: {layers_of[model.name]} layers, not {train_layers(model, None)}: "
+                         f"{model.layer_param_bytes() / 1e9:.1f} GB a layer and as much of gradients, "
+                         f"{limit / 1e9:.0f} GB allocator limit")
     peers = {}
     if with_peer:  # first, while this process holds none of the card's memory
         for model, tokens in cases:
             if clock.out_of_time(time_limit_s, notes, f"peer {model.name} T={tokens}"):
                 break
-            peers[(model.name, tokens)] = run_peer(model, tokens, LAYERS.get(model.name, 2))
+            peers[(model.name, tokens)] = run_peer(model, tokens, layers_of[model.name])
             clock.log(f"peer {model.name} T={tokens}: {peers[(model.name, tokens)]}")
     else:
         notes.append("peer: not run (--no-peer)")
@@ -147,7 +164,7 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_
     notes.append(f"dense jnp.dot: {dense:.0f} TFLOP/s" if dense else "dense rate: not measured")
     notes.append(f"copy: {copy:.0f} GB/s" if copy else "copy rate: not measured")
     for model in models:
-        layers = LAYERS.get(model.name, 2)
+        layers = layers_of[model.name]
         params = None
         for tokens in token_counts:
             if clock.out_of_time(time_limit_s, notes, f"train {model.name} T={tokens}"):
