@@ -18,6 +18,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int64_t kPrefetchLine = 128;  // an L2 line
 constexpr int kMaxFusedBlocks = 264;  // two waves of blocks on an H100/H200
 constexpr int64_t kMinRoutesPerWarp = 128;
 constexpr int64_t kSharedInts = 48 * 1024 / 4;  // default dynamic shared memory limit
@@ -112,8 +113,8 @@ __device__ __forceinline__ void ZeroRowsVector(const PermuteArgs& a, int64_t beg
 }
 
 // src_index = -1 on every padding row and every row past the live count. Grid-strided.
-__device__ void MarkUnusedRows(const PermuteArgs& a, const int32_t* offsets, const int32_t* counts) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+__device__ void MarkUnusedRows(const PermuteArgs& a, const int32_t* offsets, const int32_t* counts, int64_t blocks) {
+  const int64_t stride = blocks * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (a.align > 1) {
     for (int64_t e = first; e < a.num_local; e += stride)
@@ -312,11 +313,33 @@ __host__ __device__ __forceinline__ int64_t CopyBlocks(int64_t num_tokens, int64
   return (num_tokens * vecs_per_row + kThreads - 1) / kThreads;
 }
 
+// Streams the first prefetch_bytes of each routed local expert's matrix of a.prefetch into L2, one
+// 128-byte line per prefetch, over `blocks` blocks (block `block` of them). A hint with no result:
+// lines of experts that two routes share are asked for twice, which L2 merges.
+__device__ void PrefetchRoutedExperts(const PermuteArgs& a, int64_t block, int64_t blocks) {
+  const int64_t routes = a.num_tokens * a.top_k, lines = a.prefetch_bytes / kPrefetchLine;
+  const char* base = static_cast<const char*>(a.prefetch);
+  for (int64_t i = block * kThreads + threadIdx.x; i < routes * lines; i += blocks * kThreads) {
+    const int e = LocalExpert(__ldg(a.topk_ids + i / lines), a);
+    if (e < 0) continue;
+    const char* line = base + e * a.prefetch_expert_bytes + (i % lines) * kPrefetchLine;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+  }
+}
+
 // ---- Fused path: every block routes all R <= kFusedMaxRoutes routes in shared memory, block 0
 // ---- writes the indices, and all blocks share the row copies. One launch.
+// ---- Optional extra blocks at the end of the grid prefetch (PermuteArgs' prefetch).
 template <typename V>
 __global__ void __launch_bounds__(kThreads) PermuteFusedKernel(PermuteArgs a, int rank_warps) {
   extern __shared__ int32_t shared[];
+  // The last a.prefetch_blocks blocks only start the experts' weights towards L2 (the HBM is
+  // otherwise idle until the first expert GEMM streams them, a launch later).
+  const int64_t work_blocks = gridDim.x - a.prefetch_blocks;
+  if (blockIdx.x >= work_blocks) {
+    PrefetchRoutedExperts(a, blockIdx.x - work_blocks, a.prefetch_blocks);
+    return;
+  }
   // This block's first row vector does not depend on the routing: its load overlaps it.
   const int64_t vecs_per_row = a.row_bytes / sizeof(V);
   const int64_t first_vector = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -330,19 +353,19 @@ __global__ void __launch_bounds__(kThreads) PermuteFusedKernel(PermuteArgs a, in
   const int32_t* counts = routed.counts;
   const int32_t* offsets = routed.offsets;
   if (blockIdx.x == 0) StoreRouteIndices(a, routed);
-  MarkUnusedRows(a, offsets, counts);
+  MarkUnusedRows(a, offsets, counts, work_blocks);
 
   const int64_t chunks = (vecs_per_row + blockDim.x - 1) / blockDim.x;
   auto token_rows = [&](int64_t t) { return rows + t * a.top_k; };
   if (loaded) StoreTokenVector<V>(a, first_vector, vecs_per_row, first_value, token_rows);
-  for (int64_t i = first_vector + static_cast<int64_t>(gridDim.x) * kThreads; i < a.num_tokens * vecs_per_row;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+  for (int64_t i = first_vector + work_blocks * kThreads; i < a.num_tokens * vecs_per_row;
+       i += work_blocks * kThreads) {
     V value;
     LoadTokenVector<V>(a, i, vecs_per_row, &value);
     StoreTokenVector<V>(a, i, vecs_per_row, value, token_rows);
   }
   if (a.align > 1) {
-    for (int64_t item = blockIdx.x; item < a.num_local * chunks; item += gridDim.x) {
+    for (int64_t item = blockIdx.x; item < a.num_local * chunks; item += work_blocks) {
       const int64_t e = item / chunks, v = (item % chunks) * blockDim.x + threadIdx.x;
       if (v < vecs_per_row) ZeroRowsVector<V>(a, offsets[e] + counts[e], offsets[e + 1], v, vecs_per_row);
     }
@@ -419,7 +442,7 @@ __global__ void __launch_bounds__(kThreads) RankKernel(PermuteArgs a, int tiles,
       if (row >= 0) a.src_index[row] = static_cast<int32_t>(r);
     });
   }
-  MarkUnusedRows(a, offsets, a.workspace + a.num_local * tiles);
+  MarkUnusedRows(a, offsets, a.workspace + a.num_local * tiles, gridDim.x);
 }
 
 // Launch 4: row copies (CopyBlocks blocks), then one block per (expert, chunk) zeroes padding rows.
@@ -507,9 +530,10 @@ cudaError_t LaunchPermuteTyped(const PermuteArgs& a, cudaStream_t stream) {
     const int64_t blocks = std::clamp<int64_t>(CopyBlocks(a.num_tokens, vecs_per_row) + padding_items, 1, kMaxFusedBlocks);
     const int64_t ints = routes <= kFewRoutes ? RankFewRoutesInts(routes, a.num_local)
                                               : RankRoutesInts(routes, a.num_local, rank_warps);
-    PermuteFusedKernel<V><<<blocks, kThreads, ints * 4, stream>>>(a, rank_warps);
+    PermuteFusedKernel<V><<<blocks + a.prefetch_blocks, kThreads, ints * 4, stream>>>(a, rank_warps);
     return cudaGetLastError();
   }
+  // (No prefetch here: a prefill-sized permute's weights are many times L2.)
   const int tiles = LaunchRankTiles(a, stream);
   if (tiles < 0) return cudaErrorInvalidValue;
   CopyRowsKernel<V><<<CopyBlocks(a.num_tokens, vecs_per_row) + padding_items, kThreads, 0, stream>>>(a, chunks, tiles);

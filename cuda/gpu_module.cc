@@ -17,6 +17,7 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
   m.def("registrations", [] {
     pybind11::dict handlers;
     handlers["jax_moe_permute"] = Capsule(JaxMoePermuteCuda);
+    handlers["jax_moe_permute_prefetch"] = Capsule(JaxMoePermutePrefetchCuda);
     handlers["jax_moe_permute_fp8"] = Capsule(JaxMoePermuteFp8Cuda);
     handlers["jax_moe_unpermute"] = Capsule(JaxMoeUnpermuteCuda);
     handlers["jax_moe_unpermute_add"] = Capsule(JaxMoeUnpermuteAddCuda);

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -85,6 +86,41 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
   const PermuteArgs args = PermuteArgsOf(x, topk_ids, expert_map, permuted->untyped_data(), *src_index, *dest_index,
                                          *group_sizes, *expert_offsets, *workspace, shapes, align, identity_map);
   return CudaStatus(LaunchPermute(args, stream), "jax_moe permute");
+}
+
+// permute, and its extra blocks start the routed experts' first weight bytes towards L2 (PermuteArgs'
+// prefetch): prefetch [El, ...] any dtype, prefetch_bytes per expert, a multiple of 128 at most a
+// slab's bytes. The results are permute's.
+ffi::Error PermutePrefetchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
+                               ffi::Buffer<ffi::S32> expert_map, ffi::AnyBuffer, ffi::Buffer<ffi::S32>,
+                               ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                               ffi::Buffer<ffi::S32>, ffi::AnyBuffer prefetch, ffi::Result<ffi::AnyBuffer> permuted,
+                               ffi::Result<ffi::Buffer<ffi::S32>> src_index,
+                               ffi::Result<ffi::Buffer<ffi::S32>> dest_index,
+                               ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                               ffi::Result<ffi::Buffer<ffi::S32>> expert_offsets,
+                               ffi::Result<ffi::Buffer<ffi::S32>> workspace, int64_t align, bool identity_map,
+                               int64_t prefetch_bytes) {
+  PermuteShapes shapes;
+  if (ffi::Error error = CheckPermuteShapes(x, topk_ids, expert_map, *permuted, *src_index, *dest_index,
+                                            *group_sizes, *expert_offsets, *workspace, align, identity_map, &shapes);
+      error.failure())
+    return error;
+  const auto pd = prefetch.dimensions();
+  const int64_t slab = pd.size() >= 1 && pd[0] == shapes.num_local
+                           ? static_cast<int64_t>(prefetch.size_bytes()) / shapes.num_local : -1;
+  if (slab < 0 || prefetch_bytes < 0 || prefetch_bytes % 128 != 0 || prefetch_bytes > slab)
+    return InvalidArgument("permute_prefetch: expected prefetch [El, ...] and prefetch_bytes a multiple of 128 "
+                           "from 0 to an expert's bytes");
+  PermuteArgs args = PermuteArgsOf(x, topk_ids, expert_map, permuted->untyped_data(), *src_index, *dest_index,
+                                   *group_sizes, *expert_offsets, *workspace, shapes, align, identity_map);
+  // About eight lines a thread; up to one block an SM of a 132-SM card.
+  const int64_t lines = shapes.num_tokens * shapes.top_k * (prefetch_bytes / 128);
+  args.prefetch = prefetch.untyped_data();
+  args.prefetch_expert_bytes = slab;
+  args.prefetch_bytes = prefetch_bytes;
+  args.prefetch_blocks = lines > 0 ? static_cast<int>(std::clamp<int64_t>((lines + 2047) / 2048, 1, 132)) : 0;
+  return CudaStatus(LaunchPermute(args, stream), "jax_moe permute_prefetch");
 }
 
 // permute for FP8 experts (LaunchPermuteQuantized): permute's operands and results, permuted
@@ -767,6 +803,30 @@ ffi::Error UninitializedImpl(ffi::Result<ffi::AnyBuffer>, int64_t /*tag*/) { ret
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteCuda, jax_moe::PermuteImpl,
                               jax_moe::BindPermute(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermutePrefetchCuda, jax_moe::PermutePrefetchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()             // x [T, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // topk_ids [T, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // expert_map [E] ([1] with identity_map)
+                                  .Arg<ffi::AnyBuffer>()             // permuted (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // src_index (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // dest_index (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // group_sizes (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // expert_offsets (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // workspace (aliased)
+                                  .Arg<ffi::AnyBuffer>()             // prefetch [El, ...] (read by L2 only)
+                                  .Ret<ffi::AnyBuffer>()             // permuted [R_cap, H]
+                                  .Ret<ffi::Buffer<ffi::S32>>()      // src_index
+                                  .Ret<ffi::Buffer<ffi::S32>>()      // dest_index
+                                  .Ret<ffi::Buffer<ffi::S32>>()      // group_sizes
+                                  .Ret<ffi::Buffer<ffi::S32>>()      // expert_offsets
+                                  .Ret<ffi::Buffer<ffi::S32>>()      // workspace
+                                  .Attr<int64_t>("align")
+                                  .Attr<bool>("identity_map")
+                                  .Attr<int64_t>("prefetch_bytes"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteFp8Cuda, jax_moe::PermuteQuantizedImpl,

@@ -6,6 +6,7 @@
 
 extern "C" {
 XLA_FFI_Error* JaxMoePermuteCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoePermutePrefetchCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoePermuteFp8Cuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeUnpermuteAddCuda(XLA_FFI_CallFrame* call_frame);

@@ -9,6 +9,7 @@ import jax
 
 PERMUTE_TARGET = "jax_moe_permute"
 PERMUTE_FP8_TARGET = "jax_moe_permute_fp8"  # CUDA only
+PERMUTE_PREFETCH_TARGET = "jax_moe_permute_prefetch"  # CUDA only
 UNPERMUTE_TARGET = "jax_moe_unpermute"
 UNPERMUTE_GRAD_TARGET = "jax_moe_unpermute_grad"
 UNPERMUTE_ADD_TARGET = "jax_moe_unpermute_add"  # CUDA only

@@ -525,6 +525,18 @@ def run_experts_and_shared(expert_fn: ExpertFn | None, layer_params: dict, scrat
     return rows_out, shared_experts(layer_params, tokens), scratch
 
 
+def gate_up_to_prefetch(expert_fn: ExpertFn | None, layer_params: dict, config, num_tokens: int):
+    """The layer's gate/up stack [El, H, 2F] for ``ops.permute``'s ``prefetch`` hint, or None: only
+    for the default bf16 experts on the decode kernel, whose first launch reads those weights
+    straight after the permute (float32 master weights are converted first: no hint)."""
+    if expert_fn is not None or fp8.is_quantized(layer_params) or not uses_grouped_matmul(layer_params, config):
+        return None
+    tile = gemm.pick_tile(config.live_row_bound(num_tokens), config.num_local_experts,
+                          config.group_row_bound(num_tokens))
+    gate_up = layer_params["gate_up"]
+    return gate_up if tile == gemm.DECODE_TILE and gate_up.dtype == config.dtype else None
+
+
 def uses_grouped_matmul(layer_params: dict, config) -> bool:
     """Whether ``moe_layer``'s default experts run on the CUDA grouped GEMMs (GPU, bf16, aligned sizes;
     FP8 experts: H and F multiples of 128)."""

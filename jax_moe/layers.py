@@ -285,7 +285,8 @@ def moe_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch,
         rows_out, scratch = experts.fp8_experts_on_tokens(layer_params, tokens, ids, scratch)
         shared = shared_experts(layer_params, tokens)
     else:
-        scratch = permute(tokens, ids, scratch)
+        prefetch = experts.gate_up_to_prefetch(expert_fn, layer_params, config, tokens.shape[0])
+        scratch = permute(tokens, ids, scratch, prefetch=prefetch)
         rows_out, shared, scratch = run_experts_and_shared(expert_fn, layer_params, scratch, tokens)
     if residual is not None:
         y = ops.unpermute_add(rows_out, weights, scratch, jnp.reshape(residual, tokens.shape), shared)

@@ -33,8 +33,8 @@ from jax import lax
 
 from jax_moe import gemm, ops, routing
 from jax_moe.config import MoEConfig
-from jax_moe.experts import (shared_experts, shared_rides_decode, swiglu_decode_with_shared, swiglu_grouped_forward,
-                             swiglu_grouped_grad_but_gate_up)
+from jax_moe.experts import (gate_up_to_prefetch, shared_experts, shared_rides_decode, swiglu_decode_with_shared,
+                             swiglu_grouped_forward, swiglu_grouped_grad_but_gate_up)
 from jax_moe.scratch import MoEScratch
 
 EXPERT_WEIGHTS = ("gate_up", "down")
@@ -130,7 +130,9 @@ def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: 
         n = rms_norm(h)
         weights, ids, logits, scratch = ops.route_decode(small["router"], n, scratch, small.get("router_bias"))
         shared = None if fuse_shared else shared_experts(small, n)
-    scratch = ops.permute(n, ids, scratch)
+    # Inference on the decode kernel: the permute's launch starts the gate/up weights towards L2.
+    prefetch = None if keep else gate_up_to_prefetch(None, layer_params, config, num_tokens)
+    scratch = ops.permute(n, ids, scratch, prefetch=prefetch)
     offsets = scratch.expert_offsets
     gate_up, down = gate_up.astype(config.dtype), down.astype(config.dtype)
     if fuse_shared:

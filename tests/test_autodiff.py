@@ -42,6 +42,24 @@ def test_permute_gradient():
     assert np.abs(np.asarray(grad)).min() > 0  # every token has a kept route
 
 
+def test_permute_with_prefetch_is_permute_and_has_its_gradient():
+    """The prefetch hint changes no value and no gradient (the weights it names get none)."""
+    x, _, _, _ = _ops_inputs()
+    weights = jnp.ones((OPS_CONFIG.num_local_experts, 3, 8), jnp.bfloat16)
+    cot = jax.random.normal(jax.random.key(3), init_scratch(OPS_CONFIG).permuted.shape)
+
+    def loss(x, w):
+        return jnp.sum(permute(x, OPS_IDS, init_scratch(OPS_CONFIG), prefetch=w).permuted * cot)
+
+    value, (d_x, d_w) = jax.value_and_grad(loss, argnums=(0, 1))(x, weights)
+    want, want_d_x = jax.value_and_grad(lambda x: jnp.sum(permute(x, OPS_IDS, init_scratch(OPS_CONFIG)).permuted * cot))(x)
+    assert float(value) == float(want)
+    np.testing.assert_array_equal(d_x, want_d_x)
+    assert d_w.shape == weights.shape and not np.asarray(d_w, np.float32).any()
+    with pytest.raises(ValueError, match=r"permute: prefetch: expected \[El=4, \.\.\.\] weights, got shape \(3, 8\)"):
+        permute(x, OPS_IDS, init_scratch(OPS_CONFIG), prefetch=jnp.ones((3, 8)))
+
+
 def test_unpermute_gradient():
     _, w, y, scratch = _ops_inputs()
     check_grads(lambda y, w: unpermute(y, w, scratch), (y, w), order=1, modes=["rev"], eps=1e-2)

@@ -106,6 +106,34 @@ def test_gpu_runs_are_bitwise_deterministic(case):
     _assert_same(case, first, second)
 
 
+def _prefetch_cases() -> list[Case]:
+    """The one-launch path's edges (maps, align, dropped ids, odd rows), one four-launch case (which
+    ignores the hint), and Qwen3-30B's decode routing."""
+    return ([c for c in cases() if not c.x64] + [c for c in _medium_cases() if c.name == "medium_map"]
+            + [_case("qwen3_T2", num_experts=128, top_k=8, hidden_size=2048, max_tokens=2, dtype="bfloat16")])
+
+
+@pytest.mark.parametrize("case", _prefetch_cases(), ids=repr)
+def test_gpu_permute_prefetch_changes_no_bit(case):
+    """permute(..., prefetch=w): its extra blocks only ask L2 for weights; the scratch and
+    unpermute's output are bitwise permute's. The slabs (256 KB) make one prefetch block a route."""
+    config = case.moe_config()
+    y = _expert_outputs(case, config)
+    with jax.default_device(_gpu()):
+        weights = jnp.ones((config.num_local_experts, 256, 512), jnp.bfloat16)
+
+    @jax.jit
+    def prefetching(x, topk_ids, topk_weights, y, scratch, weights):
+        scratch = jax_moe.permute(x, topk_ids, scratch, prefetch=weights)
+        return scratch, jax_moe.unpermute(y, topk_weights, scratch)
+
+    with jax.enable_x64(case.x64):
+        args = [jax.device_put(a, _gpu()) for a in (case.x, case.topk_ids, case.topk_weights, y)]
+        scratch, out = prefetching(*args, jax_moe.init_scratch(config, _gpu()), weights)
+        got = jax.tree.map(np.asarray, scratch), np.asarray(out)
+    _assert_same(case, _run(case, _gpu(), y), got)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("hidden", [256, 100])  # 16-byte vectors, and single elements
 @pytest.mark.parametrize("with_addend", [True, False], ids=["addend", "residual-only"])

@@ -392,6 +392,39 @@ def test_gpu_decode_stack_uses_the_decode_router_and_training_does_not(routing_n
     assert "jax_moe_decode_route" not in grad.lower(params, x, init_scratch(config)).compile().as_text()
 
 
+@pytest.mark.gpu
+def test_gpu_decode_stack_prefetches_gate_up_without_changing_a_bit(monkeypatch):
+    """An inference step on the decode kernel permutes with the gate/up prefetch (ops.permute's
+    hint); with ``DECODE_PREFETCH_BYTES = 0`` the step runs the plain permute and gives the same
+    bits; the training step never prefetches."""
+    num_tokens = jax_moe.ops.DECODE_ROUTE_TOKENS
+    config = MoEConfig(num_experts=64, top_k=6, hidden_size=256, max_tokens=num_tokens, dtype=jnp.bfloat16)
+    params = init_moe_params(jax.random.key(0), config, 2, 128, shared_ffn_size=128)
+    x = jax.random.normal(jax.random.key(1), (num_tokens, 256)).astype(jnp.bfloat16)
+
+    def step_and_program():
+        step = jax.jit(lambda p, x, s: moe_stack(p, x, s)[0])
+        compiled = step.lower(params, x, init_scratch(config)).compile()
+        return np.asarray(step(params, x, init_scratch(config))), compiled
+
+    got, program = step_and_program()
+    assert "jax_moe_permute_prefetch" in program.as_text()
+    monkeypatch.setattr(jax_moe.ops, "DECODE_PREFETCH_BYTES", 0)
+    want, plain_program = step_and_program()
+    assert "jax_moe_permute_prefetch" not in plain_program.as_text()
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    # The layer's gate/up slice feeds the permute as it feeds the GEMM, never as a copy (a layer's
+    # gate/up is 8 MB here).
+    temp = [p.memory_analysis().temp_size_in_bytes for p in (program, plain_program)]
+    assert temp[0] <= temp[1] + (1 << 20), temp
+    monkeypatch.undo()
+    grad = jax.jit(jax.grad(lambda p, x, s: jnp.sum(moe_stack(p, x, s)[0].astype(F32))))
+    assert "jax_moe_permute_prefetch" not in grad.lower(params, x, init_scratch(config)).compile().as_text()
+    layer = jax.tree.map(lambda a: a[0], params)  # moe_layer takes the hint too
+    layer_step = jax.jit(lambda p, x, s: moe_layer(p, x, s)[0])
+    assert "jax_moe_permute_prefetch" in layer_step.lower(layer, x, init_scratch(config)).compile().as_text()
+
+
 # (E, k, n_group, topk_group): Mixtral, Qwen3-30B, DeepSeek-V3, Qwen3.5-397B, an E that is not a
 # multiple of 32, the kernel's largest E and k, and a group limit leaving exactly k eligible experts.
 CHOICE_CASES = {"mixtral": (8, 2, 1, 1), "qwen3": (128, 8, 1, 1), "deepseek": (256, 8, 8, 4),

@@ -7,6 +7,8 @@ the notes), µs per layer, for
 - ``jax_moe``: the kernels ``gemm.pick_tile`` chooses (the decode kernel at few rows per expert);
 - ``jax_moe/cutlass``: the same step with the decode kernel switched off (CUTLASS grouped GEMMs:
   the path before it), so the crossover is measured in the same run;
+- ``jax_moe/no-prefetch``: the same step without the decode permute's L2 prefetch of the routed
+  experts' gate/up weights (``ops.permute``'s ``prefetch`` hint, ``ops.DECODE_PREFETCH_BYTES``);
 - ``jax_moe/shared-apart`` (models with a shared expert, where it rides the routed experts'
   decode launches): the same step with the shared expert in launches of its own;
 - ``jax_moe/fp8``: the same step on FP8 experts (``jax_moe.fp8``: e4m3 weights, a float32 scale
@@ -47,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe
-from jax_moe import experts, fp8, gemm
+from jax_moe import experts, fp8, gemm, ops
 from jax_moe.bench import timing, torch_peer
 from jax_moe.bench.models import MODELS as MODEL_SHAPES
 from jax_moe.bench.models import MIN_LAYERS, ROW_DTYPE, ModelShape
@@ -65,7 +67,10 @@ DENSE_TFLOPS = 790.0  # bf16 dense rate of the H200 (DESIGN.md §7b), for the FL
 # FP8 (e4m3) dense rate for the FP8 rows' FLOP roofline: the H200's FP8 tensor cores peak at twice
 # their bf16 rate (1979 vs 989 TFLOP/s dense in NVIDIA's specification), so twice the measured bf16 rate.
 FP8_DENSE_TFLOPS = 2 * DENSE_TFLOPS
-VARIANTS = ("jax_moe", "jax_moe/cutlass")
+# Rows of each T on the decode kernel: as shipped, on the CUTLASS path, and without the permute's
+# L2 prefetch of the gate/up weights (ops.DECODE_PREFETCH_BYTES = 0).
+NO_PREFETCH = "jax_moe/no-prefetch"
+VARIANTS = ("jax_moe", "jax_moe/cutlass", NO_PREFETCH)
 SHARED_APART = "jax_moe/shared-apart"
 FP8_VARIANT = "jax_moe/fp8"
 FP8_VARIANTS = (FP8_VARIANT, "jax_moe/fp8-cutlass")
@@ -104,6 +109,17 @@ def shared_in_decode_launch(enabled: bool):
         yield
     finally:
         experts.SHARED_IN_DECODE_LAUNCH = saved
+
+
+@contextlib.contextmanager
+def decode_prefetch(enabled: bool):
+    """Traces inside have the decode permute's L2 prefetch on (as shipped) or off."""
+    saved = ops.DECODE_PREFETCH_BYTES
+    ops.DECODE_PREFETCH_BYTES = saved if enabled else 0
+    try:
+        yield
+    finally:
+        ops.DECODE_PREFETCH_BYTES = saved
 
 
 def fp8_decode_kernel(enabled: bool):
@@ -217,7 +233,8 @@ def measure_model(model: ModelShape, token_counts, clock, copy_gbs, peer: dict |
         variants = VARIANTS if tile == gemm.DECODE_TILE else VARIANTS[:1]
         for variant in variants + ((SHARED_APART,) if fused else ()):
             rows.append(row := {**base, "impl": variant})
-            with decode_kernel(variant != "jax_moe/cutlass"), shared_in_decode_launch(variant != SHARED_APART):
+            with (decode_kernel(variant != "jax_moe/cutlass"), shared_in_decode_launch(variant != SHARED_APART),
+                  decode_prefetch(variant != NO_PREFETCH)):
                 _time_step(params, x, config, layers, row)
         if peer is not None:
             rows.append({**base, "impl": "peer", **{k: v for k, v in peer.get(tokens, {}).items()
@@ -358,7 +375,7 @@ def table(rows: list[dict]) -> str:
                  if ours.get("us_per_layer") and fp8_row.get("us_per_layer") else "–"]
         lines.append(line)
     return md_table(["model", "T", "experts read", "roofline µs", "bound", "kernel", "jax_moe µs", "% roofline",
-                     "CUTLASS path µs", "% roofline", "shared expert apart µs", "% roofline",
+                     "CUTLASS path µs", "% roofline", "no prefetch µs", "% roofline", "shared expert apart µs", "% roofline",
                      "PyTorch+HF graph µs", "% roofline", "jax_moe vs peer",
                      "FP8 roofline µs", "FP8 bound", "FP8 µs", "% FP8 roofline", "FP8 CUTLASS path µs",
                      "% FP8 roofline",
