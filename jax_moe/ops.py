@@ -152,8 +152,9 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 
 # Bytes of the routed experts' weights a decode permute asks L2 for, split over its routes (each
 # expert's first bytes, which the next GEMM's blocks read first). The HBM is otherwise idle while
-# the permute runs; L2 holds 50 MB on the H100 and H200.
-DECODE_PREFETCH_BYTES = 16 << 20
+# the permute runs; L2 holds 50 MB on the H100 and H200. 8 MiB measured best of 8, 16
+# and 32 MiB on the H100 (notebooks/results/decode_prefetch_h100.md).
+DECODE_PREFETCH_BYTES = 8 << 20
 
 
 def prefetch_bytes(num_routes: int, weights) -> int:
