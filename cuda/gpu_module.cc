@@ -28,6 +28,7 @@ PYBIND11_MODULE(_jax_moe_cuda, m) {
     handlers["jax_moe_decode_matmul"] = Capsule(JaxMoeDecodeMatmulCuda);
     handlers["jax_moe_decode_matmul_shared"] = Capsule(JaxMoeDecodeMatmulSharedCuda);
     handlers["jax_moe_decode_route"] = Capsule(JaxMoeDecodeRouteCuda);
+    handlers["jax_moe_decode_route_norm"] = Capsule(JaxMoeDecodeRouteNormCuda);
     handlers["jax_moe_choose_experts"] = Capsule(JaxMoeChooseExpertsCuda);
     handlers["jax_moe_fp8_grouped_matmul"] = Capsule(JaxMoeFp8GroupedMatmulCuda);
     handlers["jax_moe_fp8_swiglu_experts"] = Capsule(JaxMoeFp8SwigluExpertsCuda);

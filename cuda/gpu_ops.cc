@@ -454,12 +454,13 @@ ffi::Error ChooseExpertsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> choice, 
 
 // The decode router (route_kernels.h): x [T, H] and router [H, E] bf16, bias [E] float32 (or [1]
 // without one); workspace: the scratch's, whose last word is the kernel's arrival counter.
-ffi::Error DecodeRouteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer router, ffi::Buffer<ffi::F32> bias,
-                           ffi::Buffer<ffi::S32>, ffi::Result<ffi::Buffer<ffi::F32>> logits,
-                           ffi::Result<ffi::Buffer<ffi::F32>> topk_weights, ffi::Result<ffi::Buffer<ffi::S32>> topk_ids,
-                           ffi::Result<ffi::Buffer<ffi::F32>> partials, ffi::Result<ffi::Buffer<ffi::S32>> workspace,
-                           bool has_bias, bool sigmoid, bool renormalize, float renormalize_epsilon, float scaling,
-                           int64_t n_group, int64_t topk_group) {
+// normed (null or [T, H] bf16): the router normalises x first and writes the normalised tokens there.
+ffi::Error DecodeRoute(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer router, ffi::Buffer<ffi::F32> bias,
+                       ffi::Result<ffi::Buffer<ffi::F32>> logits, ffi::Result<ffi::Buffer<ffi::F32>> topk_weights,
+                       ffi::Result<ffi::Buffer<ffi::S32>> topk_ids, ffi::Result<ffi::Buffer<ffi::F32>> partials,
+                       ffi::Result<ffi::Buffer<ffi::S32>> workspace, ffi::AnyBuffer* normed, float norm_epsilon,
+                       bool has_bias, bool sigmoid, bool renormalize, float renormalize_epsilon, float scaling,
+                       int64_t n_group, int64_t topk_group) {
   const auto xd = x.dimensions();
   const auto rd = router.dimensions();
   const auto wd = topk_weights->dimensions();
@@ -488,7 +489,37 @@ ffi::Error DecodeRouteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   args.counter = workspace->typed_data() + workspace->element_count() - 1;
   args.sigmoid = sigmoid, args.renormalize = renormalize;
   args.renormalize_epsilon = renormalize_epsilon, args.scaling = scaling;
+  if (normed != nullptr) {
+    if (normed->element_type() != ffi::BF16 || normed->dimensions().size() != 2 ||
+        normed->dimensions()[0] != xd[0] || normed->dimensions()[1] != xd[1])
+      return InvalidArgument("decode_route_norm: expected the normalised tokens bf16 [T, H], as x");
+    args.normed = normed->untyped_data();
+    args.norm_epsilon = norm_epsilon;
+  }
   return CudaStatus(LaunchDecodeRoute(args, stream), "decode_route");
+}
+
+ffi::Error DecodeRouteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer router, ffi::Buffer<ffi::F32> bias,
+                           ffi::Buffer<ffi::S32>, ffi::Result<ffi::Buffer<ffi::F32>> logits,
+                           ffi::Result<ffi::Buffer<ffi::F32>> topk_weights, ffi::Result<ffi::Buffer<ffi::S32>> topk_ids,
+                           ffi::Result<ffi::Buffer<ffi::F32>> partials, ffi::Result<ffi::Buffer<ffi::S32>> workspace,
+                           bool has_bias, bool sigmoid, bool renormalize, float renormalize_epsilon, float scaling,
+                           int64_t n_group, int64_t topk_group) {
+  return DecodeRoute(stream, x, router, bias, logits, topk_weights, topk_ids, partials, workspace, nullptr, 0.0f,
+                     has_bias, sigmoid, renormalize, renormalize_epsilon, scaling, n_group, topk_group);
+}
+
+// The decode router on tokens before the stack's norm: also writes rms_norm(x) [T, H] bf16 (normed).
+ffi::Error DecodeRouteNormImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer router, ffi::Buffer<ffi::F32> bias,
+                               ffi::Buffer<ffi::S32>, ffi::Result<ffi::Buffer<ffi::F32>> logits,
+                               ffi::Result<ffi::Buffer<ffi::F32>> topk_weights,
+                               ffi::Result<ffi::Buffer<ffi::S32>> topk_ids, ffi::Result<ffi::Buffer<ffi::F32>> partials,
+                               ffi::Result<ffi::Buffer<ffi::S32>> workspace, ffi::Result<ffi::AnyBuffer> normed,
+                               bool has_bias, bool sigmoid, bool renormalize, float renormalize_epsilon, float scaling,
+                               int64_t n_group, int64_t topk_group, float norm_epsilon) {
+  ffi::AnyBuffer normed_buffer = *normed;
+  return DecodeRoute(stream, x, router, bias, logits, topk_weights, topk_ids, partials, workspace, &normed_buffer,
+                     norm_epsilon, has_bias, sigmoid, renormalize, renormalize_epsilon, scaling, n_group, topk_group);
 }
 
 // The FP8 grouped GEMM (grouped_gemm_fp8.h). rows [R, K] bf16 are
@@ -966,6 +997,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeRouteCuda, jax_moe::DecodeRouteImpl,
                                   .Attr<float>("scaling")
                                   .Attr<int64_t>("n_group")
                                   .Attr<int64_t>("topk_group"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeRouteNormCuda, jax_moe::DecodeRouteNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // x [T, H], bf16, before the norm
+                                  .Arg<ffi::AnyBuffer>()               // router [H, E], bf16
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // bias [E] ([1] without)
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // logits [T, E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // topk_weights [T, k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // topk_ids [T, k]
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // partials [slices, T, E]
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // workspace
+                                  .Ret<ffi::AnyBuffer>()               // normed [T, H], bf16: rms_norm(x)
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("sigmoid")
+                                  .Attr<bool>("renormalize")
+                                  .Attr<float>("renormalize_epsilon")
+                                  .Attr<float>("scaling")
+                                  .Attr<int64_t>("n_group")
+                                  .Attr<int64_t>("topk_group")
+                                  .Attr<float>("norm_epsilon"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeFp8GroupedMatmulCuda, jax_moe::Fp8GroupedMatmulImpl,

@@ -17,6 +17,7 @@ XLA_FFI_Error* JaxMoeGroupedMatmulIntoCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeMatmulCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeMatmulSharedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeDecodeRouteCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxMoeDecodeRouteNormCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeChooseExpertsCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8GroupedMatmulCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxMoeFp8SwigluExpertsCuda(XLA_FFI_CallFrame* call_frame);

@@ -277,6 +277,53 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, int rank_max_compare
   JAX_MOE_ROUTE_MARK(7);  // the weights written
 }
 
+// rms_norm's scale of each of the block's token rows, 1 / sqrt(mean(x * x) + eps), into inv_rms:
+// each thread sums the squares of its 8-value pieces (kNormLoads loads in flight: at H = 7168 one
+// round trip, where loads one after another took four and cancelled the launches saved), then the
+// warps' lanes (a fixed butterfly) and the warps in order. Whole block.
+constexpr int kNormLoads = 4;
+template <int kTokens>
+__device__ void RowInvRms(const Bf16* x, int tokens, int64_t hidden, float eps, float (&inv_rms)[kTokens]) {
+  __shared__ float warp_sums[kWarps][kTokens];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t pieces = hidden / 8;
+  float sum[kTokens];
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t) {
+    sum[t] = 0.0f;
+    if (t < tokens)
+      for (int64_t base = threadIdx.x; base < pieces; base += kNormLoads * kThreads) {
+        uint4 raw[kNormLoads];
+#pragma unroll
+        for (int u = 0; u < kNormLoads; ++u) {
+          const int64_t p = base + u * kThreads;
+          raw[u] = p < pieces ? __ldg(reinterpret_cast<const uint4*>(x + t * hidden) + p) : uint4{};
+        }
+#pragma unroll
+        for (int u = 0; u < kNormLoads; ++u) {
+          float v[8];
+          Unpack(raw[u], v);  // (pieces past H are zeros: adding their squares changes no bit)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sum[t] = __fadd_rn(sum[t], __fmul_rn(v[i], v[i]));
+        }
+      }
+  }
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t) {
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) sum[t] = __fadd_rn(sum[t], __shfl_xor_sync(~0u, sum[t], d));
+    if (lane == 0) warp_sums[warp][t] = sum[t];
+  }
+  __syncthreads();
+  if (threadIdx.x < kTokens) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total = __fadd_rn(total, warp_sums[w][threadIdx.x]);
+    inv_rms[threadIdx.x] = __frsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(hidden)), eps));
+  }
+  __syncthreads();
+}
+
 template <int kTokens>
 __global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a, int64_t slice_rows,
                                                               int rank_max_compares) {
@@ -293,6 +340,25 @@ __global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a,
   const int64_t row_end = min(hidden, row_begin + slice_rows);
   const Bf16* router = static_cast<const Bf16*>(a.router) + col;
   const Bf16* x = static_cast<const Bf16*>(a.x) + first_token * hidden;
+
+  // With a.normed, x is the tokens before the norm: each x load is scaled and rounded to bf16 as
+  // rms_norm's result (the same bits whichever block computes it), and the blocks of expert tile 0
+  // write those values (every slice's rows once).
+  __shared__ float inv_rms[kTokens];
+  Bf16* normed = a.normed != nullptr ? static_cast<Bf16*>(a.normed) + first_token * hidden : nullptr;
+  if (normed != nullptr) {
+    // The first steps' router rows start towards L2 while the norm's sums wait on x.
+    const int64_t r_first = row_begin + (warp * (32 / kLanesPerRow) + lane_k) * kStepRows;
+#pragma unroll
+    for (int s = 0; s < kInFlight; ++s)
+#pragma unroll
+      for (int i = 0; i < kStepRows; ++i) {
+        const int64_t r = r_first + s * kBlockRows + i;
+        if (col_ok && r < row_end) asm volatile("prefetch.global.L2 [%0];" :: "l"(router + r * num_experts));
+      }
+    RowInvRms<kTokens>(x, tokens, hidden, a.norm_epsilon, inv_rms);
+  }
+  const bool writes_normed = normed != nullptr && blockIdx.x == 0 && vec == 0;
 
   float acc[kTokens][8];
 #pragma unroll
@@ -323,6 +389,11 @@ __global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a,
         if (t < tokens) {
           float xf[8];
           Unpack(__ldg(reinterpret_cast<const uint4*>(x + t * hidden + r)), xf);
+          if (normed != nullptr) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) xf[i] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(xf[i], inv_rms[t])));
+            if (writes_normed) *reinterpret_cast<uint4*>(normed + t * hidden + r) = Pack(xf);
+          }
 #pragma unroll
           for (int i = 0; i < kStepRows; ++i)
 #pragma unroll

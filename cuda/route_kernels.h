@@ -22,7 +22,7 @@
 namespace jax_moe {
 
 struct DecodeRouteArgs {
-  const void* x;               // [T, H] bf16 (the normalised tokens)
+  const void* x;               // [T, H] bf16: the normalised tokens, or with normed, the tokens before the norm
   const void* router;          // [H, E] bf16
   const float* bias;           // [E], or null
   float* partials;             // [DecodeRouteSlices(H), T, E] per-slice sums (scratch of the call)
@@ -34,6 +34,11 @@ struct DecodeRouteArgs {
   bool sigmoid = false, renormalize = false;
   float renormalize_epsilon = 0.0f, scaling = 1.0f;
   int64_t n_group = 1, topk_group = 1;
+  // Optional (non-null): the router normalises x first, as jax_moe.stack.rms_norm does (float32
+  // mean of squares over H, + norm_epsilon, reciprocal square root, x times it rounded to bf16),
+  // routes those tokens and writes them here [T, H] bf16: the stack's norm without launches of its own.
+  void* normed = nullptr;
+  float norm_epsilon = 1e-6f;
 };
 
 // Slices of H that the router's reduction is split into (rows of `partials`).

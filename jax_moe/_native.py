@@ -19,6 +19,7 @@ GATHER_ROWS_TARGET = "jax_moe_gather_rows"  # CUDA only
 DECODE_MATMUL_TARGET = "jax_moe_decode_matmul"  # CUDA only
 DECODE_MATMUL_SHARED_TARGET = "jax_moe_decode_matmul_shared"  # CUDA only
 DECODE_ROUTE_TARGET = "jax_moe_decode_route"  # CUDA only
+DECODE_ROUTE_NORM_TARGET = "jax_moe_decode_route_norm"  # CUDA only
 CHOOSE_EXPERTS_TARGET = "jax_moe_choose_experts"  # CUDA only
 FP8_GROUPED_MATMUL_TARGET = "jax_moe_fp8_grouped_matmul"  # CUDA only
 FP8_SWIGLU_EXPERTS_TARGET = "jax_moe_fp8_swiglu_experts"  # CUDA only

@@ -240,6 +240,7 @@ def rows_by_route(xs: tuple[jax.Array, ...], dest: jax.Array, src: jax.Array) ->
 
 
 # The CUDA decode router's limits (cuda/route_kernels.h, DecodeRouteFits).
+RMS_NORM_EPSILON = 1e-6  # rms_norm's default, the stacks' norm
 DECODE_ROUTE_MAX_TOKENS = 16
 DECODE_ROUTE_MAX_EXPERTS = 512
 DECODE_ROUTE_MAX_PAIRS = 4096  # T * E
@@ -251,6 +252,13 @@ DECODE_ROUTE_MAX_GROUPS = 32
 # 53.4 -> 47-49.5, Qwen3.5 129 -> 119-127, Mixtral 212 -> 206-210, DeepSeek-V3 even) and about even at
 # T = 2; slower at T = 16 (Qwen3-30B 240 -> 251-261: its reduction of H is latency-bound).
 DECODE_ROUTE_TOKENS = 2
+
+
+def rms_norm(x: jax.Array, eps: float = RMS_NORM_EPSILON) -> jax.Array:
+    """Parameter-free RMS normalisation over the last axis, in float32, cast back to x's dtype (the
+    stacks' norm: ``jax_moe.stack.rms_norm`` is this)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def decode_route_fits(config, num_tokens: int, router_dtype) -> bool:
@@ -294,16 +302,42 @@ def route_decode(router: jax.Array, x: jax.Array, scratch: MoEScratch, bias: jax
     arrival counter, the last block's reads), not bandwidth-bound.
     """
     config = scratch.config
-    want = {"router": (config.hidden_size, config.num_experts), "x": (jnp.shape(x)[0], config.hidden_size),
-            "bias": (config.num_experts,)}
-    for name, value in (("router", router), ("x", x), ("bias", bias)):
-        if value is not None and tuple(jnp.shape(value)) != want[name]:
-            raise ValueError(f"route_decode: {name}: expected shape {want[name]} ([H, E], [T, H], [E]), "
-                             f"got {tuple(jnp.shape(value))}")
-    bias_operand = jnp.zeros((1,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+    bias_operand = _check_route_decode("route_decode", config, router, x, bias)
     weights, ids, logits, workspace = _route_decode(config, bias is not None, router, x, bias_operand,
                                                     scratch.workspace)
     return weights, ids, logits, scratch.replace(workspace=workspace)
+
+
+def route_decode_normalizing(router: jax.Array, h: jax.Array, scratch: MoEScratch, bias: jax.Array | None = None,
+                             eps: float = RMS_NORM_EPSILON):
+    """``route_decode(router, rms_norm(h, eps), scratch, bias)`` with the norm in the router's launch:
+    ``(n, weights, ids, logits, scratch)``, n = rms_norm(h) [T, H].
+
+    For the inference stack's decode layers, where XLA ran the norm as two kernels of their own
+    (about 2 µs a layer at T = 1). On a GPU within ``decode_route_fits`` every block of the decode
+    router (``jax_moe_decode_route_norm``) finds its tokens' scales from the whole rows and
+    normalises the values it loads, and the blocks of the first expert tile write n. n is rms_norm's
+    to within one bf16 rounding (its float32 sum of squares is summed in another order; the
+    reciprocal square root is correctly rounded), and weights, ids and logits are bitwise
+    ``route_decode`` of that n. Elsewhere rms_norm then route_decode. Inference only: differentiating
+    it raises (differentiate rms_norm and route_decode instead).
+    """
+    config = scratch.config
+    bias_operand = _check_route_decode("route_decode_normalizing", config, router, h, bias)
+    n, weights, ids, logits, workspace = _route_decode_normalizing(config, bias is not None, float(eps), router, h,
+                                                                   bias_operand, scratch.workspace)
+    return n, weights, ids, logits, scratch.replace(workspace=workspace)
+
+
+def _check_route_decode(name: str, config, router, x, bias) -> jax.Array:
+    """ValueError unless router [H, E], x [T, H] and bias [E] (or None) fit config; the bias operand."""
+    want = {"router": (config.hidden_size, config.num_experts), "x": (jnp.shape(x)[0], config.hidden_size),
+            "bias": (config.num_experts,)}
+    for arg, value in (("router", router), ("x", x), ("bias", bias)):
+        if value is not None and tuple(jnp.shape(value)) != want[arg]:
+            raise ValueError(f"{name}: {arg}: expected shape {want[arg]} ([H, E], [T, H], [E]), "
+                             f"got {tuple(jnp.shape(value))}")
+    return jnp.zeros((1,), jnp.float32) if bias is None else bias.astype(jnp.float32)
 
 
 def _route_decode_forward(config, has_bias: bool, router, x, bias_operand, workspace):
@@ -317,24 +351,65 @@ def _route_decode_forward(config, has_bias: bool, router, x, bias_operand, works
         return xla(router, x, bias_operand, workspace)
 
     def native(router, x, bias_operand, workspace):
-        num_tokens, (hidden, experts) = x.shape[0], router.shape
-        f32 = jnp.float32
-        call = jax.ffi.ffi_call(
-            _native.DECODE_ROUTE_TARGET,
-            (jax.ShapeDtypeStruct((num_tokens, experts), f32), jax.ShapeDtypeStruct((num_tokens, config.top_k), f32),
-             jax.ShapeDtypeStruct((num_tokens, config.top_k), jnp.int32),
-             jax.ShapeDtypeStruct((_native.decode_route_slices(hidden), num_tokens, experts), f32),
-             jax.ShapeDtypeStruct(workspace.shape, workspace.dtype)),
-            input_output_aliases={3: 4}, vmap_method=_VMAP_METHOD)
-        logits, weights, ids, _, workspace = fence_results(call(
-            x, router, bias_operand, workspace, has_bias=np.bool_(has_bias),
-            sigmoid=np.bool_(config.scoring == "sigmoid"), renormalize=np.bool_(config.renormalize),
-            renormalize_epsilon=np.float32(config.renormalize_epsilon),
-            scaling=np.float32(config.routed_scaling_factor), n_group=np.int64(config.n_group),
-            topk_group=np.int64(config.topk_group)))
-        return weights, ids, logits, workspace
+        return _decode_route_call(config, has_bias, router, x, bias_operand, workspace)[:4]
 
     return lax.platform_dependent(router, x, bias_operand, workspace, cuda=native, default=xla)
+
+
+def _decode_route_call(config, has_bias: bool, router, x, bias_operand, workspace, norm_eps: float | None = None):
+    """The CUDA decode router: ``(weights, ids, logits, workspace, n)``. With norm_eps, x is the
+    tokens before the norm and n = their rms_norm (``jax_moe_decode_route_norm``); else n is None."""
+    num_tokens, (hidden, experts) = x.shape[0], router.shape
+    f32 = jnp.float32
+    results = (jax.ShapeDtypeStruct((num_tokens, experts), f32), jax.ShapeDtypeStruct((num_tokens, config.top_k), f32),
+               jax.ShapeDtypeStruct((num_tokens, config.top_k), jnp.int32),
+               jax.ShapeDtypeStruct((_native.decode_route_slices(hidden), num_tokens, experts), f32),
+               jax.ShapeDtypeStruct(workspace.shape, workspace.dtype))
+    attrs = dict(has_bias=np.bool_(has_bias), sigmoid=np.bool_(config.scoring == "sigmoid"),
+                 renormalize=np.bool_(config.renormalize), renormalize_epsilon=np.float32(config.renormalize_epsilon),
+                 scaling=np.float32(config.routed_scaling_factor), n_group=np.int64(config.n_group),
+                 topk_group=np.int64(config.topk_group))
+    if norm_eps is None:
+        target = _native.DECODE_ROUTE_TARGET
+    else:
+        target = _native.DECODE_ROUTE_NORM_TARGET
+        results += (jax.ShapeDtypeStruct(x.shape, x.dtype),)
+        attrs["norm_epsilon"] = np.float32(norm_eps)
+    call = jax.ffi.ffi_call(target, results, input_output_aliases={3: 4}, vmap_method=_VMAP_METHOD)
+    out = fence_results(call(x, router, bias_operand, workspace, **attrs))
+    logits, weights, ids, _, workspace = out[:5]
+    return weights, ids, logits, workspace, (out[5] if norm_eps is not None else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _route_decode_normalizing(config, has_bias: bool, eps: float, router, h, bias_operand, workspace):
+    def xla(router, h, bias_operand, workspace):
+        n = rms_norm(h, eps)
+        logits = routing.router_logits(router, n)
+        weights, ids = routing.route_logits(logits, config, bias_operand if has_bias else None)
+        return n, weights, ids, logits, workspace
+
+    if not decode_route_fits(config, h.shape[0], router.dtype):
+        return xla(router, h, bias_operand, workspace)
+
+    def native(router, h, bias_operand, workspace):
+        weights, ids, logits, workspace, n = _decode_route_call(config, has_bias, router, h, bias_operand, workspace,
+                                                                norm_eps=eps)
+        return n, weights, ids, logits, workspace
+
+    return lax.platform_dependent(router, h, bias_operand, workspace, cuda=native, default=xla)
+
+
+def _route_decode_normalizing_fwd(config, has_bias, eps, router, h, bias_operand, workspace):
+    raise ValueError("route_decode_normalizing: not differentiable (inference only); differentiate "
+                     "rms_norm then route_decode instead")
+
+
+def _route_decode_normalizing_bwd(config, has_bias, eps, residuals, cotangents):
+    raise AssertionError("unreachable: the forward raises")
+
+
+_route_decode_normalizing.defvjp(_route_decode_normalizing_fwd, _route_decode_normalizing_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -35,15 +35,15 @@ from jax_moe import gemm, ops, routing
 from jax_moe.config import MoEConfig
 from jax_moe.experts import (gate_up_to_prefetch, shared_experts, shared_rides_decode, swiglu_decode_with_shared,
                              swiglu_grouped_forward, swiglu_grouped_grad_but_gate_up)
+from jax_moe.ops import rms_norm  # noqa: F401 (the stack's norm, public here as before)
 from jax_moe.scratch import MoEScratch
 
 EXPERT_WEIGHTS = ("gate_up", "down")
+# Inference at decode: the router's launch normalises the tokens (ops.route_decode_normalizing), where
+# XLA ran the norm in two kernels of its own. False: XLA's norm, then ops.route_decode (for measuring).
+DECODE_ROUTER_NORMALIZES = True
 
 
-def rms_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """Parameter-free RMS normalisation over the last axis, in float32, cast back to x's dtype."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def _dense(small: dict, h: jax.Array, config: MoEConfig, with_shared: bool = True):
@@ -125,10 +125,14 @@ def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: 
     if keep or not route_kernel:
         (n, weights, logits, shared), ids = _dense(small, h, config, with_shared=not fuse_shared)
     else:
-        # Inference at T <= ops.DECODE_ROUTE_TOKENS: the router in one kernel. (A training forward
-        # routes in XLA: its backward recomputes that routing, and must find the same ids.)
-        n = rms_norm(h)
-        weights, ids, logits, scratch = ops.route_decode(small["router"], n, scratch, small.get("router_bias"))
+        # Inference at T <= ops.DECODE_ROUTE_TOKENS: the norm and the router in one kernel. (A training
+        # forward routes in XLA: its backward recomputes that routing, and must find the same ids.)
+        if DECODE_ROUTER_NORMALIZES:
+            n, weights, ids, logits, scratch = ops.route_decode_normalizing(small["router"], h, scratch,
+                                                                            small.get("router_bias"))
+        else:
+            n = rms_norm(h)
+            weights, ids, logits, scratch = ops.route_decode(small["router"], n, scratch, small.get("router_bias"))
         shared = None if fuse_shared else shared_experts(small, n)
     # Inference on the decode kernel: the permute's launch starts the gate/up weights towards L2.
     prefetch = None if keep else gate_up_to_prefetch(None, layer_params, config, num_tokens)

@@ -2,7 +2,7 @@
 the ranking of few routes, and FP8 experts' quantising permute), padding, an expert map, dropped routes, odd H, all row dtypes; unpermute's backward and its adds; the grouped
 GEMM forward and its input- and weight-gradient kernels (also written into a slice of a stack); the
 SwiGLU backward's elementwise kernel (also reading from a stack); the backward's row gather; the
-decode kernel; the FP8 grouped GEMM (both row tiles); the decode router; the experts' choice
+decode kernel; the FP8 grouped GEMM (both row tiles); the decode router (also normalising its tokens); the experts' choice
 kernel; with --stack, the training stack's gradients. Prints one line per case.
 
     compute-sanitizer --tool memcheck python3 tests/sanitize_gpu.py
@@ -224,6 +224,12 @@ for num_tokens, experts, hidden_size, extra in ((1, 128, 2048, {}), (12, 256, 71
     weights, ids, logits, scratch = jax.jit(jax_moe.ops.route_decode)(router, x, jax_moe.init_scratch(config), bias)
     print("decode route T", num_tokens, "E", experts, "ids in range", bool(((np.asarray(ids) >= 0)
           & (np.asarray(ids) < experts)).all()), "weights finite", bool(np.isfinite(np.asarray(weights)).all()),
+          "counter zero", int(scratch.workspace[-1]) == 0)
+    # The same router normalising its tokens first (the inference stack's decode layers).
+    n, weights, ids, logits, scratch = jax.jit(jax_moe.ops.route_decode_normalizing)(
+        router, (x * 3).astype(x.dtype), jax_moe.init_scratch(config), bias)
+    print("decode route normalizing T", num_tokens, "E", experts, "ids in range", bool(((np.asarray(ids) >= 0)
+          & (np.asarray(ids) < experts)).all()), "n finite", bool(np.isfinite(np.asarray(n, np.float32)).all()),
           "counter zero", int(scratch.workspace[-1]) == 0)
 
 # The experts' choice kernel (routing.choose_experts): E not a multiple of 32 with groups, the

@@ -321,6 +321,105 @@ def test_route_decode_elsewhere_is_route_logits(monkeypatch):
         assert scratch.workspace.shape == init_scratch(config).workspace.shape
 
 
+def _bf16_ulps(got, want):
+    """|got - want| in units of want's bf16 spacing, elementwise (bf16 arrays)."""
+    want32 = np.asarray(want, F32)
+    spacing = np.spacing(np.abs(want32).astype(np.float32)) * 2.0 ** 16  # float32 spacing times 2^16: bf16's
+    return np.abs(np.asarray(got, F32) - want32) / np.maximum(spacing, np.finfo(np.float32).tiny)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["qwen3-like-T1", "qwen3-like-T16", "mixtral-like-T3", "deepseek-like-T2",
+                                  "qwen35-like-T1", "small-H-k-equals-E"])
+@pytest.mark.parametrize("name", ["softmax-renormalized", "deepseek-v3"])
+def test_gpu_route_decode_normalizing_is_route_decode_of_its_norm(case, name):
+    """The decode router that normalises its tokens (the inference stack's decode layers): n within
+    one bf16 rounding of rms_norm (its sum of squares in another order), almost always equal; the
+    weights, ids and logits bitwise route_decode's of that n (each block rounds its loads as n is
+    rounded); deterministic over three calls on one scratch, the counter back at zero."""
+    kwargs, num_tokens = DECODE_ROUTE_CASES[case]
+    routing_kwargs = ROUTINGS[name]
+    if kwargs["num_experts"] % routing_kwargs.get("n_group", 1) or kwargs["top_k"] > kwargs["num_experts"] // max(
+            1, routing_kwargs.get("n_group", 1)) * routing_kwargs.get("topk_group", 1):
+        pytest.skip("groups must divide the experts and hold k of them")
+    config = MoEConfig(max_tokens=num_tokens, dtype=jnp.bfloat16, **kwargs, **routing_kwargs)
+    router, x, bias = _decode_route_inputs(case, True)
+    h = (x.astype(F32) * 3.0 + 0.5).astype(jnp.bfloat16)  # not already normalised
+    step = jax.jit(lambda r, h, s: jax_moe.ops.route_decode_normalizing(r, h, s, bias), donate_argnums=2)
+    assert "jax_moe_decode_route_norm" in step.lower(router, h, init_scratch(config)).compile().as_text()
+    scratch = init_scratch(config)
+    results = []
+    for _ in range(3):
+        *outs, scratch = step(router, h, scratch)
+        results.append([np.asarray(o) for o in outs])
+    for later in results[1:]:
+        for a, b in zip(results[0], later):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert int(scratch.workspace[-1]) == 0
+    n, weights, ids, logits = results[0]
+    want_n = np.asarray(jax.jit(jax_moe.ops.rms_norm)(h))
+    ulps = _bf16_ulps(n, want_n)
+    assert ulps.max() <= 1.0, ulps.max()
+    assert (ulps == 0).mean() >= 0.99, (ulps == 0).mean()
+    want_weights, want_ids, want_logits, _ = jax.jit(lambda r, n, s: jax_moe.ops.route_decode(r, n, s, bias))(
+        router, jnp.asarray(n), init_scratch(config))
+    np.testing.assert_array_equal(logits, np.asarray(want_logits))
+    np.testing.assert_array_equal(ids, np.asarray(want_ids))
+    np.testing.assert_array_equal(weights, np.asarray(want_weights))
+
+
+def test_route_decode_normalizing_elsewhere_is_rms_norm_then_route_decode(monkeypatch):
+    """Off the GPU (forced as in the test above it): n = rms_norm(h) and route_decode of it, bitwise;
+    bad operands raise ValueError naming them; differentiating raises (inference only)."""
+    monkeypatch.setattr(jax_moe._native, "HAS_CUDA", True)
+    monkeypatch.setattr(jax_moe._native, "decode_route_slices", lambda hidden: 1)
+    config = MoEConfig(num_experts=16, top_k=4, hidden_size=64, max_tokens=3, dtype=jnp.bfloat16, **DEEPSEEK_LIKE)
+    rng = np.random.default_rng(5)
+    router = jnp.asarray(rng.standard_normal((64, 16)) / 8, jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((3, 64)) * 4, jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(16) / 8, F32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        n, weights, ids, logits, scratch = jax.jit(jax_moe.ops.route_decode_normalizing)(
+            router, h, init_scratch(config), bias)
+        def unfused(router, h, scratch, bias):
+            n = jax_moe.ops.rms_norm(h)
+            return (n, *jax_moe.ops.route_decode(router, n, scratch, bias)[:3])
+
+        want_n, want_weights, want_ids, want_logits = jax.jit(unfused)(router, h, init_scratch(config), bias)
+        for got, want in ((n, want_n), (weights, want_weights), (ids, want_ids), (logits, want_logits)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert scratch.workspace.shape == init_scratch(config).workspace.shape
+        with pytest.raises(ValueError, match=r"route_decode_normalizing: x: expected shape \(3, 64\)"):
+            jax_moe.ops.route_decode_normalizing(router, h[:, :32], init_scratch(config), bias)
+        with pytest.raises(ValueError, match="not differentiable"):
+            jax.grad(lambda h: jax_moe.ops.route_decode_normalizing(router, h, init_scratch(config))[1].sum())(
+                h.astype(F32).astype(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+def test_gpu_decode_stack_normalizes_in_the_router_like_xla(monkeypatch):
+    """The inference stack at decode runs the norm in the router's launch; against the same stack with
+    XLA's norm (stack.DECODE_ROUTER_NORMALIZES off) the output is within bf16 rounding (n differs by
+    at most one bf16 rounding, rarely), and that program has the plain router."""
+    num_tokens = 2
+    config = MoEConfig(num_experts=64, top_k=6, hidden_size=256, max_tokens=num_tokens, dtype=jnp.bfloat16,
+                       **ROUTINGS["deepseek-v3"])
+    params = init_moe_params(jax.random.key(0), config, 3, 128, router_bias=True, shared_ffn_size=128)
+    x = (jax.random.normal(jax.random.key(1), (num_tokens, 256)) * 2).astype(jnp.bfloat16)
+
+    def run():
+        step = jax.jit(lambda p, x, s: moe_stack(p, x, s)[0])
+        return np.asarray(step(params, x, init_scratch(config)), F32), step.lower(
+            params, x, init_scratch(config)).compile().as_text()
+
+    got, program = run()
+    assert "jax_moe_decode_route_norm" in program
+    monkeypatch.setattr(jax_moe.stack, "DECODE_ROUTER_NORMALIZES", False)
+    want, plain = run()
+    assert "jax_moe_decode_route_norm" not in plain and "jax_moe_decode_route" in plain
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("name", list(ROUTINGS))
 def test_route_decode_gradient_is_route_logits_gradient(name, monkeypatch):
     """route_decode's backward (XLA's, of the weights at the kept ids and of the logits) gives the
