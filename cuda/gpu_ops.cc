@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "decode_gemm.h"
 #include "ffi_shapes.h"
@@ -978,47 +979,44 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeChooseExpertsCuda, jax_moe::ChooseExpertsImp
                                   .Attr<int64_t>("topk_group"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+namespace {
+
+// The decode router's operands and results, the same for its two targets.
+auto DecodeRouteOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()         // x [T, H], bf16 (with the norm: before it)
+      .Arg<ffi::AnyBuffer>()         // router [H, E], bf16
+      .Arg<ffi::Buffer<ffi::F32>>()  // bias [E] ([1] without)
+      .Arg<ffi::Buffer<ffi::S32>>()  // workspace (aliased)
+      .Ret<ffi::Buffer<ffi::F32>>()  // logits [T, E]
+      .Ret<ffi::Buffer<ffi::F32>>()  // topk_weights [T, k]
+      .Ret<ffi::Buffer<ffi::S32>>()  // topk_ids [T, k]
+      .Ret<ffi::Buffer<ffi::F32>>()  // partials [slices, T, E]
+      .Ret<ffi::Buffer<ffi::S32>>(); // workspace
+}
+
+// The routing attributes, after a binding's results.
+template <typename Binding>
+auto WithDecodeRouteAttrs(Binding binding) {
+  return std::move(binding).template Attr<bool>("has_bias")  // (the builder's methods take rvalues)
+      .template Attr<bool>("sigmoid")  // scores: sigmoid, else softmax
+      .template Attr<bool>("renormalize")
+      .template Attr<float>("renormalize_epsilon")
+      .template Attr<float>("scaling")
+      .template Attr<int64_t>("n_group")
+      .template Attr<int64_t>("topk_group");
+}
+
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeRouteCuda, jax_moe::DecodeRouteImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // x [T, H], bf16
-                                  .Arg<ffi::AnyBuffer>()               // router [H, E], bf16
-                                  .Arg<ffi::Buffer<ffi::F32>>()        // bias [E] ([1] without)
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // logits [T, E]
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // topk_weights [T, k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()        // topk_ids [T, k]
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // partials [slices, T, E]
-                                  .Ret<ffi::Buffer<ffi::S32>>()        // workspace
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("sigmoid")               // scores: sigmoid, else softmax
-                                  .Attr<bool>("renormalize")
-                                  .Attr<float>("renormalize_epsilon")
-                                  .Attr<float>("scaling")
-                                  .Attr<int64_t>("n_group")
-                                  .Attr<int64_t>("topk_group"),
+                              WithDecodeRouteAttrs(DecodeRouteOperands()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeDecodeRouteNormCuda, jax_moe::DecodeRouteNormImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // x [T, H], bf16, before the norm
-                                  .Arg<ffi::AnyBuffer>()               // router [H, E], bf16
-                                  .Arg<ffi::Buffer<ffi::F32>>()        // bias [E] ([1] without)
-                                  .Arg<ffi::Buffer<ffi::S32>>()        // workspace (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // logits [T, E]
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // topk_weights [T, k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()        // topk_ids [T, k]
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // partials [slices, T, E]
-                                  .Ret<ffi::Buffer<ffi::S32>>()        // workspace
-                                  .Ret<ffi::AnyBuffer>()               // normed [T, H], bf16: rms_norm(x)
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("sigmoid")
-                                  .Attr<bool>("renormalize")
-                                  .Attr<float>("renormalize_epsilon")
-                                  .Attr<float>("scaling")
-                                  .Attr<int64_t>("n_group")
-                                  .Attr<int64_t>("topk_group")
+                              WithDecodeRouteAttrs(DecodeRouteOperands()
+                                                       .Ret<ffi::AnyBuffer>())  // normed [T, H] bf16: rms_norm(x)
                                   .Attr<float>("norm_epsilon"),
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -278,9 +278,9 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, int rank_max_compare
 }
 
 // rms_norm's scale of each of the block's token rows, 1 / sqrt(mean(x * x) + eps), into inv_rms:
-// each thread sums the squares of its 8-value pieces (kNormLoads loads in flight: at H = 7168 one
-// round trip, where loads one after another took four and cancelled the launches saved), then the
-// warps' lanes (a fixed butterfly) and the warps in order. Whole block.
+// each thread sums the squares of its 8-value pieces (kNormLoads loads in flight: one round trip
+// up to H = 8192, not one a piece), then the warps' lanes (a fixed butterfly) and the warps in
+// order. Whole block.
 constexpr int kNormLoads = 4;
 template <int kTokens>
 __device__ void RowInvRms(const Bf16* x, int tokens, int64_t hidden, float eps, float (&inv_rms)[kTokens]) {

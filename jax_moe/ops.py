@@ -240,7 +240,6 @@ def rows_by_route(xs: tuple[jax.Array, ...], dest: jax.Array, src: jax.Array) ->
 
 
 # The CUDA decode router's limits (cuda/route_kernels.h, DecodeRouteFits).
-RMS_NORM_EPSILON = 1e-6  # rms_norm's default, the stacks' norm
 DECODE_ROUTE_MAX_TOKENS = 16
 DECODE_ROUTE_MAX_EXPERTS = 512
 DECODE_ROUTE_MAX_PAIRS = 4096  # T * E
@@ -252,6 +251,9 @@ DECODE_ROUTE_MAX_GROUPS = 32
 # 53.4 -> 47-49.5, Qwen3.5 129 -> 119-127, Mixtral 212 -> 206-210, DeepSeek-V3 even) and about even at
 # T = 2; slower at T = 16 (Qwen3-30B 240 -> 251-261: its reduction of H is latency-bound).
 DECODE_ROUTE_TOKENS = 2
+
+
+RMS_NORM_EPSILON = 1e-6  # rms_norm's default, the stacks' norm
 
 
 def rms_norm(x: jax.Array, eps: float = RMS_NORM_EPSILON) -> jax.Array:
@@ -314,7 +316,8 @@ def route_decode_normalizing(router: jax.Array, h: jax.Array, scratch: MoEScratc
     ``(n, weights, ids, logits, scratch)``, n = rms_norm(h) [T, H].
 
     For the inference stack's decode layers, where XLA ran the norm as two kernels of their own
-    (about 2 µs a layer at T = 1). On a GPU within ``decode_route_fits`` every block of the decode
+    (1.9 µs of kernels a layer at T = 1 on the H200; the layer measured 0.7 µs faster for Qwen3-30B
+    on an H100: notebooks/results/decode_norm_in_router_h100.md). On a GPU within ``decode_route_fits`` every block of the decode
     router (``jax_moe_decode_route_norm``) finds its tokens' scales from the whole rows and
     normalises the values it loads, and the blocks of the first expert tile write n. n is rms_norm's
     to within one bf16 rounding (its float32 sum of squares is summed in another order; the

@@ -44,8 +44,6 @@ EXPERT_WEIGHTS = ("gate_up", "down")
 DECODE_ROUTER_NORMALIZES = True
 
 
-
-
 def _dense(small: dict, h: jax.Array, config: MoEConfig, with_shared: bool = True):
     """A layer's dense part from its input h [T, H]: ``((n, weights, logits, shared), ids)``.
 
