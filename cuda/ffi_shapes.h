@@ -56,9 +56,12 @@ inline xla::ffi::Error CheckPermuteShapes(const xla::ffi::AnyBuffer& x, const xl
   return xla::ffi::Error::Success();
 }
 
-// Permute's operands, results and attribute, bound after whatever context the platform needs.
+// Permute's operands (x, the routes, the map, then the scratch buffers it aliases), bound after
+// whatever context the platform needs. (The helpers take the builder by reference: it cannot be
+// moved into a parameter, and its methods take rvalues.) BindPermute below is the whole binding; its siblings
+// (permute_prefetch, permute_fp8) add an operand or results between the pieces.
 template <typename Binding>
-auto BindPermute(Binding binding) {
+auto BindPermuteOperands(Binding&& binding) {
   using xla::ffi::AnyBuffer;
   using Indices = xla::ffi::Buffer<xla::ffi::S32>;
   return std::move(binding).template Arg<AnyBuffer>()  // x [T, H]
@@ -69,17 +72,35 @@ auto BindPermute(Binding binding) {
       .template Arg<Indices>()              // dest_index (aliased)
       .template Arg<Indices>()              // group_sizes (aliased)
       .template Arg<Indices>()              // expert_offsets (aliased)
-      .template Arg<Indices>()              // workspace (aliased)
-      .template Ret<AnyBuffer>()            // permuted [R_cap, H]
+      .template Arg<Indices>();             // workspace (aliased)
+}
+
+// Permute's results: the scratch buffers, written in place.
+template <typename Binding>
+auto BindPermuteResults(Binding&& binding) {
+  using xla::ffi::AnyBuffer;
+  using Indices = xla::ffi::Buffer<xla::ffi::S32>;
+  return std::move(binding).template Ret<AnyBuffer>()  // permuted [R_cap, H]
       .template Ret<Indices>()              // src_index [R_cap]
       .template Ret<Indices>()              // dest_index [T_max, k]
       .template Ret<Indices>()              // group_sizes [El]
       .template Ret<Indices>()              // expert_offsets [El + 1]
-      .template Ret<Indices>()              // workspace
-      .template Attr<int64_t>("align")
+      .template Ret<Indices>();             // workspace
+}
+
+// Permute's attributes.
+template <typename Binding>
+auto BindPermuteAttrs(Binding&& binding) {
+  return std::move(binding).template Attr<int64_t>("align")
       // The identity map as an attribute, not as an empty operand: jaxlib 0.11.2's compiler crashed
       // on an empty operand inside a shard_map over 2+ GPUs.
       .template Attr<bool>("identity_map");
+}
+
+// Permute's operands, results and attributes.
+template <typename Binding>
+auto BindPermute(Binding&& binding) {
+  return BindPermuteAttrs(BindPermuteResults(BindPermuteOperands(std::move(binding))));
 }
 
 // Unpermute's operands and result, bound after whatever context the platform needs.

@@ -18,7 +18,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int64_t kPrefetchLine = 128;  // an L2 line
 constexpr int kMaxFusedBlocks = 264;  // two waves of blocks on an H100/H200
 constexpr int64_t kMinRoutesPerWarp = 128;
 constexpr int64_t kSharedInts = 48 * 1024 / 4;  // default dynamic shared memory limit
@@ -317,12 +316,12 @@ __host__ __device__ __forceinline__ int64_t CopyBlocks(int64_t num_tokens, int64
 // 128-byte line per prefetch, over `blocks` blocks (block `block` of them). A hint with no result:
 // lines of experts that two routes share are asked for twice, which L2 merges.
 __device__ void PrefetchRoutedExperts(const PermuteArgs& a, int64_t block, int64_t blocks) {
-  const int64_t routes = a.num_tokens * a.top_k, lines = a.prefetch_bytes / kPrefetchLine;
+  const int64_t routes = a.num_tokens * a.top_k, lines = a.prefetch_bytes / kPrefetchLineBytes;
   const char* base = static_cast<const char*>(a.prefetch);
   for (int64_t i = block * kThreads + threadIdx.x; i < routes * lines; i += blocks * kThreads) {
     const int e = LocalExpert(__ldg(a.topk_ids + i / lines), a);
     if (e < 0) continue;
-    const char* line = base + e * a.prefetch_expert_bytes + (i % lines) * kPrefetchLine;
+    const char* line = base + e * a.prefetch_expert_bytes + (i % lines) * kPrefetchLineBytes;
     asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
   }
 }

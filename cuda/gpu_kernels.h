@@ -15,6 +15,8 @@ constexpr int64_t kFusedMaxRoutes = kTileRoutes;
 
 enum class FloatType { kF32, kBF16, kF16 };
 
+constexpr int64_t kPrefetchLineBytes = 128;  // what one prefetch asks L2 for: a line
+
 struct PermuteArgs {
   const void* x;               // [T, H]
   const int32_t* topk_ids;     // [T, k]

@@ -110,13 +110,13 @@ ffi::Error PermutePrefetchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffe
   const auto pd = prefetch.dimensions();
   const int64_t slab = pd.size() >= 1 && pd[0] == shapes.num_local
                            ? static_cast<int64_t>(prefetch.size_bytes()) / shapes.num_local : -1;
-  if (slab < 0 || prefetch_bytes < 0 || prefetch_bytes % 128 != 0 || prefetch_bytes > slab)
+  if (slab < 0 || prefetch_bytes < 0 || prefetch_bytes % kPrefetchLineBytes != 0 || prefetch_bytes > slab)
     return InvalidArgument("permute_prefetch: expected prefetch [El, ...] and prefetch_bytes a multiple of 128 "
                            "from 0 to an expert's bytes");
   PermuteArgs args = PermuteArgsOf(x, topk_ids, expert_map, permuted->untyped_data(), *src_index, *dest_index,
                                    *group_sizes, *expert_offsets, *workspace, shapes, align, identity_map);
   // About eight lines a thread; up to one block an SM of a 132-SM card.
-  const int64_t lines = shapes.num_tokens * shapes.top_k * (prefetch_bytes / 128);
+  const int64_t lines = shapes.num_tokens * shapes.top_k * (prefetch_bytes / kPrefetchLineBytes);
   args.prefetch = prefetch.untyped_data();
   args.prefetch_expert_bytes = slab;
   args.prefetch_bytes = prefetch_bytes;
@@ -838,51 +838,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteCuda, jax_moe::PermuteImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermutePrefetchCuda, jax_moe::PermutePrefetchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()             // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // topk_ids [T, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // expert_map [E] ([1] with identity_map)
-                                  .Arg<ffi::AnyBuffer>()             // permuted (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // src_index (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // dest_index (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // group_sizes (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // expert_offsets (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // workspace (aliased)
-                                  .Arg<ffi::AnyBuffer>()             // prefetch [El, ...] (read by L2 only)
-                                  .Ret<ffi::AnyBuffer>()             // permuted [R_cap, H]
-                                  .Ret<ffi::Buffer<ffi::S32>>()      // src_index
-                                  .Ret<ffi::Buffer<ffi::S32>>()      // dest_index
-                                  .Ret<ffi::Buffer<ffi::S32>>()      // group_sizes
-                                  .Ret<ffi::Buffer<ffi::S32>>()      // expert_offsets
-                                  .Ret<ffi::Buffer<ffi::S32>>()      // workspace
-                                  .Attr<int64_t>("align")
-                                  .Attr<bool>("identity_map")
+                              jax_moe::BindPermuteAttrs(jax_moe::BindPermuteResults(
+                                  jax_moe::BindPermuteOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                                      .Arg<ffi::AnyBuffer>()))  // prefetch [El, ...] (read by L2 only)
                                   .Attr<int64_t>("prefetch_bytes"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+// (permuted is aliased but not written.)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoePermuteFp8Cuda, jax_moe::PermuteQuantizedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()             // x [T, H] bf16
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // topk_ids [T, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // expert_map [E] ([1] with identity_map)
-                                  .Arg<ffi::AnyBuffer>()             // permuted (aliased, not written)
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // src_index (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // dest_index (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // group_sizes (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // expert_offsets (aliased)
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // workspace (aliased)
-                                  .Ret<ffi::AnyBuffer>()             // permuted
-                                  .Ret<ffi::Buffer<ffi::S32>>()      // src_index
-                                  .Ret<ffi::Buffer<ffi::S32>>()      // dest_index
-                                  .Ret<ffi::Buffer<ffi::S32>>()      // group_sizes
-                                  .Ret<ffi::Buffer<ffi::S32>>()      // expert_offsets
-                                  .Ret<ffi::Buffer<ffi::S32>>()      // workspace
-                                  .Ret<ffi::AnyBuffer>()             // q_rows [R, H] float8_e4m3fn
-                                  .Ret<ffi::Buffer<ffi::F32>>()      // row_scale [R, H / 128]
-                                  .Attr<int64_t>("align")
-                                  .Attr<bool>("identity_map"),
+                              jax_moe::BindPermuteAttrs(
+                                  jax_moe::BindPermuteResults(jax_moe::BindPermuteOperands(
+                                                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()))
+                                      .Ret<ffi::AnyBuffer>()            // q_rows [R, H] float8_e4m3fn
+                                      .Ret<ffi::Buffer<ffi::F32>>()),   // row_scale [R, H / 128]
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeUnpermuteCuda, jax_moe::UnpermuteImpl,
