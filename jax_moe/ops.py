@@ -343,12 +343,17 @@ def _check_route_decode(name: str, config, router, x, bias) -> jax.Array:
     return jnp.zeros((1,), jnp.float32) if bias is None else bias.astype(jnp.float32)
 
 
+def _route_in_xla(config, has_bias: bool, router, x, bias_operand):
+    """The decode router's math in XLA: ``(weights, ids, logits)`` of route_logits(router_logits(...))."""
+    logits = routing.router_logits(router, x)
+    weights, ids = routing.route_logits(logits, config, bias_operand if has_bias else None)
+    return weights, ids, logits
+
+
 def _route_decode_forward(config, has_bias: bool, router, x, bias_operand, workspace):
     """route_decode's four results (the workspace last) on the kernel or XLA's path."""
     def xla(router, x, bias_operand, workspace):
-        logits = routing.router_logits(router, x)
-        weights, ids = routing.route_logits(logits, config, bias_operand if has_bias else None)
-        return weights, ids, logits, workspace
+        return (*_route_in_xla(config, has_bias, router, x, bias_operand), workspace)
 
     if not decode_route_fits(config, x.shape[0], router.dtype):
         return xla(router, x, bias_operand, workspace)
@@ -388,9 +393,7 @@ def _decode_route_call(config, has_bias: bool, router, x, bias_operand, workspac
 def _route_decode_normalizing(config, has_bias: bool, eps: float, router, h, bias_operand, workspace):
     def xla(router, h, bias_operand, workspace):
         n = rms_norm(h, eps)
-        logits = routing.router_logits(router, n)
-        weights, ids = routing.route_logits(logits, config, bias_operand if has_bias else None)
-        return n, weights, ids, logits, workspace
+        return (n, *_route_in_xla(config, has_bias, router, n, bias_operand), workspace)
 
     if not decode_route_fits(config, h.shape[0], router.dtype):
         return xla(router, h, bias_operand, workspace)

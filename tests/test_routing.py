@@ -247,11 +247,16 @@ def _decode_route_inputs(case, with_bias):
     return router, x, bias
 
 
+def _skip_unless_groups_hold_k(kwargs, routing_kwargs):
+    """Skips a DECODE_ROUTE_CASES case whose experts the routing's groups cannot split or hold k of."""
+    experts, groups = kwargs["num_experts"], routing_kwargs.get("n_group", 1)
+    if experts % groups or kwargs["top_k"] > experts // max(1, groups) * routing_kwargs.get("topk_group", 1):
+        pytest.skip("groups must divide the experts and hold k of them")
+
+
 def _decode_route(case, routing_kwargs, with_bias, device):
     kwargs, num_tokens = DECODE_ROUTE_CASES[case]
-    if kwargs["num_experts"] % routing_kwargs.get("n_group", 1) or kwargs["top_k"] > kwargs["num_experts"] // max(
-            1, routing_kwargs.get("n_group", 1)) * routing_kwargs.get("topk_group", 1):
-        pytest.skip("groups must divide the experts and hold k of them")
+    _skip_unless_groups_hold_k(kwargs, routing_kwargs)
     config = MoEConfig(max_tokens=num_tokens, dtype=jnp.bfloat16, **kwargs, **routing_kwargs)
     router, x, bias = _decode_route_inputs(case, with_bias)
     with jax.default_device(device):
@@ -339,9 +344,7 @@ def test_gpu_route_decode_normalizing_is_route_decode_of_its_norm(case, name):
     rounded); deterministic over three calls on one scratch, the counter back at zero."""
     kwargs, num_tokens = DECODE_ROUTE_CASES[case]
     routing_kwargs = ROUTINGS[name]
-    if kwargs["num_experts"] % routing_kwargs.get("n_group", 1) or kwargs["top_k"] > kwargs["num_experts"] // max(
-            1, routing_kwargs.get("n_group", 1)) * routing_kwargs.get("topk_group", 1):
-        pytest.skip("groups must divide the experts and hold k of them")
+    _skip_unless_groups_hold_k(kwargs, routing_kwargs)
     config = MoEConfig(max_tokens=num_tokens, dtype=jnp.bfloat16, **kwargs, **routing_kwargs)
     router, x, bias = _decode_route_inputs(case, True)
     h = (x.astype(F32) * 3.0 + 0.5).astype(jnp.bfloat16)  # not already normalised

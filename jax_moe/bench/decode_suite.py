@@ -52,7 +52,7 @@ import jax_moe
 from jax_moe import experts, fp8, gemm, ops
 from jax_moe.bench import timing, torch_peer
 from jax_moe.bench.models import MODELS as MODEL_SHAPES
-from jax_moe.bench.models import MIN_LAYERS, ROW_DTYPE, ModelShape
+from jax_moe.bench.models import MIN_LAYERS, ROW_DTYPE, ModelShape, stack_counts
 from jax_moe.bench.stack_suite import init_stack_params
 
 MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
@@ -85,46 +85,34 @@ METHOD = ("Per layer = back-to-back step time / L (" + timing.STEP_METHOD + "). 
 
 
 @contextlib.contextmanager
-def _kernel_switch(limit: str, enabled: bool):
-    """Traces inside see ``gemm.<limit>`` as shipped, or -1: the kernel it admits switched off."""
-    saved = getattr(gemm, limit)
-    setattr(gemm, limit, saved if enabled else -1.0)
+def _setting(module, name: str, value):
+    """Traces inside see ``module.<name>`` = value; the shipped value again afterwards."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        setattr(gemm, limit, saved)
+        setattr(module, name, saved)
 
 
 def decode_kernel(enabled: bool):
     """Traces inside see ``gemm.pick_tile`` with the decode kernel on (as shipped) or off."""
-    return _kernel_switch("DECODE_MAX_ROWS_PER_EXPERT", enabled)
+    return _setting(gemm, "DECODE_MAX_ROWS_PER_EXPERT", gemm.DECODE_MAX_ROWS_PER_EXPERT if enabled else -1.0)
 
 
-@contextlib.contextmanager
 def shared_in_decode_launch(enabled: bool):
     """Traces inside run a shared expert at decode in the routed experts' launches (as shipped) or apart."""
-    saved = experts.SHARED_IN_DECODE_LAUNCH
-    experts.SHARED_IN_DECODE_LAUNCH = enabled
-    try:
-        yield
-    finally:
-        experts.SHARED_IN_DECODE_LAUNCH = saved
+    return _setting(experts, "SHARED_IN_DECODE_LAUNCH", enabled)
 
 
-@contextlib.contextmanager
 def decode_prefetch(enabled: bool):
     """Traces inside have the decode permute's L2 prefetch on (as shipped) or off."""
-    saved = ops.DECODE_PREFETCH_BYTES
-    ops.DECODE_PREFETCH_BYTES = saved if enabled else 0
-    try:
-        yield
-    finally:
-        ops.DECODE_PREFETCH_BYTES = saved
+    return _setting(ops, "DECODE_PREFETCH_BYTES", ops.DECODE_PREFETCH_BYTES if enabled else 0)
 
 
 def fp8_decode_kernel(enabled: bool):
     """Traces inside see ``gemm.fp8_decode_rows`` with the FP8 decode kernel on (as shipped) or off."""
-    return _kernel_switch("FP8_DECODE_MAX_ROWS_PER_EXPERT", enabled)
+    return _setting(gemm, "FP8_DECODE_MAX_ROWS_PER_EXPERT", gemm.FP8_DECODE_MAX_ROWS_PER_EXPERT if enabled else -1.0)
 
 
 def run_peer(model: ModelShape, token_counts, layers: int) -> dict[int, dict]:
@@ -316,14 +304,8 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_
         isolate = (len(models) > 1 and jax.default_backend() == "gpu"
                    and os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() == "false")
     from jax_moe.bench.gemm_suite import copy_ceiling_gbs
-    notes = []
     # One L per model for both sides, from this process's allocator limit (the child's is the same card's).
-    limit = timing.card_bytes()
-    layers = {model.name: stack_layers(model, limit) for model in models}
-    for model in models:
-        if layers[model.name] != stack_layers(model, None):
-            notes.append(f"{model.name}: {layers[model.name]} layers, not {stack_layers(model, None)}: "
-                         f"{model.layer_param_bytes() / 1e9:.1f} GB a layer, {limit / 1e9:.0f} GB allocator limit")
+    layers, notes = stack_counts(models, stack_layers, timing.card_bytes())
     # Every peer first, before JAX holds any of the card (two allocators on one card fail falsely).
     peers = {}
     for model in models if with_peer else ():

@@ -21,7 +21,7 @@ from jax import lax
 import jax_moe
 from jax_moe import baseline
 from jax_moe.bench import timing, torch_peer
-from jax_moe.bench.models import ROW_DTYPE, ModelShape
+from jax_moe.bench.models import ROW_DTYPE, ModelShape, stack_counts
 from jax_moe.demo import memory_stats
 
 MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
@@ -144,13 +144,8 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads, *, time_
     notes, rows = [METHOD], []
     cases = [(m, t) for m in models for t in token_counts]
     # One L per model for both sides, from this process's allocator limit (the peer's card is the same).
-    limit = timing.card_bytes()
-    layers_of = {model.name: train_layers(model, limit) for model in models}
-    for model in models:
-        if layers_of[model.name] != train_layers(model, None):
-            notes.append(f"{model.name}: {layers_of[model.name]} layers, not {train_layers(model, None)}: "
-                         f"{model.layer_param_bytes() / 1e9:.1f} GB a layer and as much of gradients, "
-                         f"{limit / 1e9:.0f} GB allocator limit")
+    layers_of, capped = stack_counts(models, train_layers, timing.card_bytes(), held=" and as much of gradients")
+    notes += capped
     peers = {}
     if with_peer:  # first, while this process holds none of the card's memory
         for model, tokens in cases:
