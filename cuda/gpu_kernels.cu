@@ -326,17 +326,26 @@ __device__ void PrefetchRoutedExperts(const PermuteArgs& a, int64_t block, int64
   }
 }
 
+// Blocks that prefetch for a.prefetch: about eight lines a thread, at most one block an SM of a
+// 132-SM card (the prefetch is a hint; more blocks would only delay the permute's own).
+int PrefetchBlocks(const PermuteArgs& a) {
+  if (a.prefetch == nullptr) return 0;
+  const int64_t lines = a.num_tokens * a.top_k * (a.prefetch_bytes / kPrefetchLineBytes);
+  constexpr int64_t kLinesPerBlock = 8 * kThreads;
+  return lines > 0 ? static_cast<int>(std::clamp<int64_t>((lines + kLinesPerBlock - 1) / kLinesPerBlock, 1, 132)) : 0;
+}
+
 // ---- Fused path: every block routes all R <= kFusedMaxRoutes routes in shared memory, block 0
 // ---- writes the indices, and all blocks share the row copies. One launch.
 // ---- Optional extra blocks at the end of the grid prefetch (PermuteArgs' prefetch).
 template <typename V>
-__global__ void __launch_bounds__(kThreads) PermuteFusedKernel(PermuteArgs a, int rank_warps) {
+__global__ void __launch_bounds__(kThreads) PermuteFusedKernel(PermuteArgs a, int rank_warps, int prefetch_blocks) {
   extern __shared__ int32_t shared[];
-  // The last a.prefetch_blocks blocks only start the experts' weights towards L2 (the HBM is
+  // The last prefetch_blocks blocks only start the experts' weights towards L2 (the HBM is
   // otherwise idle until the first expert GEMM streams them, a launch later).
-  const int64_t work_blocks = gridDim.x - a.prefetch_blocks;
+  const int64_t work_blocks = gridDim.x - prefetch_blocks;
   if (blockIdx.x >= work_blocks) {
-    PrefetchRoutedExperts(a, blockIdx.x - work_blocks, a.prefetch_blocks);
+    PrefetchRoutedExperts(a, blockIdx.x - work_blocks, prefetch_blocks);
     return;
   }
   // This block's first row vector does not depend on the routing: its load overlaps it.
@@ -529,7 +538,8 @@ cudaError_t LaunchPermuteTyped(const PermuteArgs& a, cudaStream_t stream) {
     const int64_t blocks = std::clamp<int64_t>(CopyBlocks(a.num_tokens, vecs_per_row) + padding_items, 1, kMaxFusedBlocks);
     const int64_t ints = routes <= kFewRoutes ? RankFewRoutesInts(routes, a.num_local)
                                               : RankRoutesInts(routes, a.num_local, rank_warps);
-    PermuteFusedKernel<V><<<blocks + a.prefetch_blocks, kThreads, ints * 4, stream>>>(a, rank_warps);
+    const int prefetch_blocks = PrefetchBlocks(a);
+    PermuteFusedKernel<V><<<blocks + prefetch_blocks, kThreads, ints * 4, stream>>>(a, rank_warps, prefetch_blocks);
     return cudaGetLastError();
   }
   // (No prefetch here: a prefill-sized permute's weights are many times L2.)

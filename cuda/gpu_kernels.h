@@ -28,12 +28,11 @@ struct PermuteArgs {
   int32_t* expert_offsets;     // [El + 1]
   int32_t* workspace;          // [El * (tiles + 1)]
   int64_t num_tokens, top_k, num_experts, num_local, capacity, row_bytes, align, workspace_size;
-  // Optional (permute_prefetch, the one-launch path only): prefetch_blocks more blocks ask L2 for
-  // the first prefetch_bytes (a multiple of 128) of each routed local expert's slab of
-  // prefetch_expert_bytes in prefetch [El, ...], the weights the next GEMM reads first.
+  // Optional (permute_prefetch, the one-launch path only): more blocks (as many as the launcher
+  // sizes) ask L2 for the first prefetch_bytes (a multiple of 128) of each routed local expert's
+  // slab of prefetch_expert_bytes in prefetch [El, ...], the weights the next GEMM reads first.
   const void* prefetch = nullptr;
   int64_t prefetch_expert_bytes = 0, prefetch_bytes = 0;
-  int prefetch_blocks = 0;
 };
 
 struct UnpermuteArgs {

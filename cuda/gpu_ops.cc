@@ -115,12 +115,9 @@ ffi::Error PermutePrefetchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffe
                            "from 0 to an expert's bytes");
   PermuteArgs args = PermuteArgsOf(x, topk_ids, expert_map, permuted->untyped_data(), *src_index, *dest_index,
                                    *group_sizes, *expert_offsets, *workspace, shapes, align, identity_map);
-  // About eight lines a thread; up to one block an SM of a 132-SM card.
-  const int64_t lines = shapes.num_tokens * shapes.top_k * (prefetch_bytes / kPrefetchLineBytes);
   args.prefetch = prefetch.untyped_data();
   args.prefetch_expert_bytes = slab;
   args.prefetch_bytes = prefetch_bytes;
-  args.prefetch_blocks = lines > 0 ? static_cast<int>(std::clamp<int64_t>((lines + 2047) / 2048, 1, 132)) : 0;
   return CudaStatus(LaunchPermute(args, stream), "jax_moe permute_prefetch");
 }
 
