@@ -86,7 +86,7 @@ def shared_experts(layer_params: dict, x: jax.Array) -> jax.Array | None:
     weight = lambda name: layer_params[name].astype(x.dtype)  # noqa: E731
     if fp8.shared_is_quantized(layer_params):
         out = _shared_swiglu_fp8(x, layer_params)
-    elif _shared_on_decode_kernel(x, layer_params["shared_down"].shape[0]):
+    elif _shared_on_decode_kernel(x, layer_params["shared_down"].shape[0], SHARED_DECODE_MAX_TOKENS):
         out = _shared_swiglu_decode(x, weight("shared_gate_up"), weight("shared_down"))
     else:
         out = _shared_swiglu(x, weight("shared_gate_up"), weight("shared_down"))
@@ -119,15 +119,20 @@ def _shared_swiglu(x, gate_up, down):
     return dot_f32(gated_silu(dot_f32(x, gate_up), x.dtype), down)
 
 
-def _shared_on_decode_kernel(x, ffn_size: int) -> bool:
-    """Whether the shared expert runs on the decode kernel: a GPU, bf16, at most
-    ``gemm.DECODE_MAX_GROUP_ROWS`` tokens (one expert owning every token: a group of T rows).
+# The most tokens for which the shared expert runs on the decode kernel alone (one group of T rows,
+# passes of up to gemm.DECODE_MAX_ROWS_PER_PASS rows, each reading the weights again).
+SHARED_DECODE_MAX_TOKENS = 16
+
+
+def _shared_on_decode_kernel(x, ffn_size: int, max_tokens: int) -> bool:
+    """Whether the shared expert runs on the decode kernel: a GPU, bf16, at most max_tokens tokens
+    (one expert owning every token: a group of T rows).
 
     Inside a scan over layers XLA copies each layer's slice of the stacked shared weights before
     its own dot (DeepSeek-V3 at T=1: 43 µs of copies, then 39 µs of matrix-vector products for
     88 MB of weights) while the custom call reads the slice in place at the copy rate.
     """
-    return (jax.default_backend() == "gpu" and x.shape[0] <= gemm.DECODE_MAX_GROUP_ROWS
+    return (jax.default_backend() == "gpu" and x.shape[0] <= max_tokens
             and gemm.supports_swiglu(x.dtype, x.shape[1], ffn_size))
 
 
@@ -170,7 +175,7 @@ def shared_rides_decode(layer_params: dict, x, tile: int) -> bool:
     return (SHARED_IN_DECODE_LAUNCH and "shared_gate_up" in layer_params and tile == gemm.DECODE_TILE
             and not fp8.is_quantized(layer_params)
             and not fp8.shared_is_quantized(layer_params)
-            and _shared_on_decode_kernel(x, layer_params["shared_down"].shape[-2]))
+            and _shared_on_decode_kernel(x, layer_params["shared_down"].shape[-2], gemm.DECODE_MAX_GROUP_ROWS))
 
 
 def swiglu_decode_with_shared(rows, gate_up, down, offsets, workspace, num_rows: int, group_rows: int | None,

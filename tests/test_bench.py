@@ -378,7 +378,7 @@ def test_decode_suite_shared_apart_variant_switches_off_the_shared_launch(monkey
     """`jax_moe/shared-apart` must run the shared expert in launches of its own where the shipped
     path puts it in the routed experts' decode launches (a GPU's pick, forced here)."""
     from jax_moe import experts, gemm
-    monkeypatch.setattr(experts, "_shared_on_decode_kernel", lambda x, ffn: True)
+    monkeypatch.setattr(experts, "_shared_on_decode_kernel", lambda x, ffn, max_tokens: True)
     layer = {"gate_up": None, "down": None, "shared_gate_up": None, "shared_down": jnp.zeros((8, 4))}
     assert experts.shared_rides_decode(layer, jnp.zeros((1, 4)), gemm.DECODE_TILE)
     assert not experts.shared_rides_decode(layer, jnp.zeros((1, 4)), gemm.SMALL_M_TILE)

@@ -311,21 +311,27 @@ ODD_TILE_SHAPES = [(512, 768), (264, 264), (256, 8)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 2])
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 8, 16])
 def test_gpu_shared_expert_on_the_decode_kernel(num_tokens):
     """DeepSeek-V3's shared expert (H 7168, width 2048) at decode sizes: the decode kernel (one group
-    of T rows) against XLA's float32 dots, and taken by shared_experts on a GPU."""
+    of T rows; past 8 rows, passes of 8) against XLA's float32 dots, and taken by shared_experts on
+    a GPU up to experts.SHARED_DECODE_MAX_TOKENS tokens."""
     from jax_moe import experts
+    assert num_tokens <= experts.SHARED_DECODE_MAX_TOKENS
     rng = np.random.default_rng(num_tokens)
     x = jnp.asarray(rng.standard_normal((num_tokens, 7168)), BF16)
     gate_up = _weights(1, 7168, 4096, seed=3)[0]
     down = _weights(1, 2048, 7168, seed=4)[0]
-    assert experts._shared_on_decode_kernel(x, 2048)
+    assert experts._shared_on_decode_kernel(x, 2048, experts.SHARED_DECODE_MAX_TOKENS)
     got = np.asarray(jax.jit(experts._shared_swiglu_decode)(x, gate_up, down), np.float32)
     want = np.asarray(jax.jit(experts._shared_swiglu)(x, gate_up, down), np.float32)
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
-    hlo = jax.jit(experts.shared_experts).lower({"shared_gate_up": gate_up, "shared_down": down}, x).compile()
+    params = {"shared_gate_up": gate_up, "shared_down": down}
+    hlo = jax.jit(experts.shared_experts).lower(params, x).compile()
     assert hlo.as_text().count("jax_moe_decode_matmul") >= 2
+    # One token past the bound: XLA's dots, no decode launch.
+    past = jnp.zeros((experts.SHARED_DECODE_MAX_TOKENS + 1, 7168), BF16)
+    assert "jax_moe_decode_matmul" not in jax.jit(experts.shared_experts).lower(params, past).compile().as_text()
 
 
 # (model or (E, k, H, F), Fs, T): DeepSeek-V3 and Qwen3.5's shared experts; a shared expert wider
