@@ -119,9 +119,12 @@ def _shared_swiglu(x, gate_up, down):
     return dot_f32(gated_silu(dot_f32(x, gate_up), x.dtype), down)
 
 
-# The most tokens for which the shared expert runs on the decode kernel alone (one group of T rows,
-# passes of up to gemm.DECODE_MAX_ROWS_PER_PASS rows, each reading the weights again).
-SHARED_DECODE_MAX_TOKENS = 16
+# The most tokens for which the shared expert runs on the decode kernel alone: one group of T rows
+# in one pass of up to gemm.DECODE_MAX_ROWS_PER_PASS rows (more rows take another pass, reading
+# the weights again). Measured on an H100 (µs per layer, XLA's dots -> the decode kernel;
+# notebooks/results/shared_decode_bound_h100.md): DeepSeek-V3 T = 4 1043 -> 991, T = 8 1729 -> 1706;
+# Qwen3.5 T = 4 412 -> 398, T = 8 level (737 -> 738); at T = 16 (two passes) Qwen3.5 1215 -> 1252.
+SHARED_DECODE_MAX_TOKENS = 8
 
 
 def _shared_on_decode_kernel(x, ffn_size: int, max_tokens: int) -> bool:

@@ -249,7 +249,8 @@ DECODE_ROUTE_MAX_GROUPS = 32
 # stack's hand-written backward recomputes its routing in XLA, so only its inference forward).
 # Measured on the H200 (µs per layer, moe_stack steps): faster than XLA's routing at T = 1 (Qwen3-30B
 # 53.4 -> 47-49.5, Qwen3.5 129 -> 119-127, Mixtral 212 -> 206-210, DeepSeek-V3 even) and about even at
-# T = 2; slower at T = 16 (Qwen3-30B 240 -> 251-261: its reduction of H is latency-bound).
+# T = 2; slower at T = 16 (Qwen3-30B 240 -> 251-261: its reduction of H is latency-bound; again on
+# an H100 on 2026-12-06, 306 -> 324 µs: notebooks/results/shared_decode_bound_h100.md).
 DECODE_ROUTE_TOKENS = 2
 
 

@@ -311,11 +311,11 @@ ODD_TILE_SHAPES = [(512, 768), (264, 264), (256, 8)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 2, 5, 8, 16])
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 8])
 def test_gpu_shared_expert_on_the_decode_kernel(num_tokens):
     """DeepSeek-V3's shared expert (H 7168, width 2048) at decode sizes: the decode kernel (one group
-    of T rows; past 8 rows, passes of 8) against XLA's float32 dots, and taken by shared_experts on
-    a GPU up to experts.SHARED_DECODE_MAX_TOKENS tokens."""
+    of T rows, one pass) against XLA's float32 dots, and taken by shared_experts on a GPU up to
+    experts.SHARED_DECODE_MAX_TOKENS tokens."""
     from jax_moe import experts
     assert num_tokens <= experts.SHARED_DECODE_MAX_TOKENS
     rng = np.random.default_rng(num_tokens)
