@@ -74,7 +74,6 @@ class ModelShape:
         return max(least, min(wanted, int(PARAMS_SHARE * limit_bytes // (copies * self.layer_param_bytes()))))
 
 
-
 def stack_counts(models, count, limit_bytes: float | None, held: str = "") -> tuple[dict[str, int], list[str]]:
     """Each model's stack L, ``count(model, limit_bytes)`` (one L for jax_moe and its peer), and a note
     for each model capped below ``count(model, None)``; ``held`` says what else a layer's params
@@ -84,6 +83,7 @@ def stack_counts(models, count, limit_bytes: float | None, held: str = "") -> tu
              f"{model.layer_param_bytes() / 1e9:.1f} GB a layer{held}, {limit_bytes / 1e9:.0f} GB allocator limit"
              for model in models if layers[model.name] != count(model, None)]
     return layers, notes
+
 
 MODELS = {m.name: m for m in (
     ModelShape("mixtral", "Mixtral-8x7B", 8, 2, 4096, ffn_size=14336),
