@@ -625,7 +625,7 @@ def test_gpu_training_step_runs_native_backward_without_float32_weight_copies():
     assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads))
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2])
+@pytest.mark.parametrize("num_tokens", [1, 2, 8])
 def test_shared_expert_decode_path_has_the_xla_paths_gradient(num_tokens):
     """The shared expert on the decode kernel (here its ragged_dot fallback) differentiates as the
     XLA dots do: the same cotangent gives the same gradients, and the outputs agree to bf16."""

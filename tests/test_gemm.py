@@ -334,6 +334,34 @@ def test_gpu_shared_expert_on_the_decode_kernel(num_tokens):
     assert "jax_moe_decode_matmul" not in jax.jit(experts.shared_experts).lower(params, past).compile().as_text()
 
 
+@pytest.mark.gpu
+def test_gpu_stack_runs_the_shared_expert_on_decode_launches_of_its_own(monkeypatch):
+    """Past gemm.DECODE_MAX_GROUP_ROWS tokens (so not riding the routed launches) and up to
+    experts.SHARED_DECODE_MAX_TOKENS, the inference stack's gated shared expert takes two decode
+    launches of its own; against the same stack with it on XLA's dots (the bound set to 0) the
+    output is within bf16 rounding, and that program has two decode launches fewer."""
+    from jax_moe import experts
+    from jax_moe.layers import init_moe_params, moe_stack
+    num_tokens = 5
+    assert gemm.DECODE_MAX_GROUP_ROWS < num_tokens <= experts.SHARED_DECODE_MAX_TOKENS
+    config = MoEConfig(num_experts=64, top_k=6, hidden_size=256, max_tokens=num_tokens, dtype=BF16)
+    params = init_moe_params(jax.random.key(0), config, 2, 128, shared_ffn_size=256, shared_gate=True)
+    x = jax.random.normal(jax.random.key(1), (num_tokens, 256)).astype(BF16)
+
+    def run():
+        step = jax.jit(lambda p, x, s: moe_stack(p, x, s)[0])
+        program = step.lower(params, x, init_scratch(config)).compile().as_text()
+        return np.asarray(step(params, x, init_scratch(config)), np.float32), program.count(
+            'custom_call_target="jax_moe_decode_matmul"')
+
+    got, launches = run()
+    monkeypatch.setattr(experts, "SHARED_DECODE_MAX_TOKENS", 0)
+    want, launches_on_xla = run()
+    assert launches == launches_on_xla + 2, (launches, launches_on_xla)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    assert np.abs(want - np.asarray(x, np.float32)).max() > 1e-2  # the layers add something
+
+
 # (model or (E, k, H, F), Fs, T): DeepSeek-V3 and Qwen3.5's shared experts; a shared expert wider
 # than the routed ones (the grid spans it) with one expert owning every row (align 8, 3 passes).
 SHARED_LAUNCH_CASES = [("deepseek_v3", 2048, 1), ("deepseek_v3", 2048, 2), ("qwen35_397b", 512, 1),
