@@ -372,10 +372,10 @@ bool SharedJoinsLaunch(const DecodeGemmArgs& args) {
 // bytes stay in flight while it multiplies one), or through registers (Fp8StreamSegment), and
 // keeps float32 sums as mma.sync C fragments: per 128-deep K block, four m16n8k32 products into
 // zeros, then sum += part * w_scale * row_scale.
-// Operands: lane (g = lane / 4, t = lane % 4) takes 16 weight bytes of rows g and g + 8 at t * 16
-// and at 64 + t * 16 in the K block, and the staged row's bytes at the same offsets: with the same
-// permutation of K in both operands, the fragments need no shuffle (product j takes bytes 8j..8j+7
-// of the lane's 32). A shared expert's product can ride as one more slot.
+// Operands: lane (g = lane / 4, t = lane % 4) takes 16 weight bytes of tile rows Fp8TileRow(g) and
+// that + 8 at t * 16 and at 64 + t * 16 in the K block, and the staged row's bytes at the same
+// offsets: with the same permutation of K in both operands, the fragments need no shuffle (product
+// j takes bytes 8j..8j+7 of the lane's 32). A shared expert's product can ride as one more slot.
 constexpr int kFp8TileRows = 16;
 constexpr int kFp8Block = 128;
 constexpr int kFp8TileBytes = kFp8TileRows * kFp8Block;  // one tile's K block: 2 KB
@@ -402,9 +402,16 @@ __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_group %0;" :: "n"(kPending)); }
 
-// A slot's 16-byte chunk c of tile row r sits at chunk c ^ 4 in odd rows: a quarter warp's reads
-// (rows g and g + 1, chunks t or 4 + t) then fall in distinct banks.
-__device__ __forceinline__ int SlotOffset(int row, int chunk) { return row * kFp8Block + ((chunk ^ ((row & 1) << 2)) << 4); }
+// The tile row whose weights fragment row g (< 8) of MmaBlock's A operand holds (g + 8: that + 8):
+// rows g / 2 and 4 + g / 2 for the pair g, g ^ 1. The 8 lanes of fragment rows 2a and 2a + 1 then
+// load tile row a's whole 128-byte line of a K block in one instruction, and row 4 + a's in the
+// next (Fp8StreamSegment); with fragment row g = tile row g an instruction took half a line of 8
+// rows, and twice the memory requests. Each row's product is the same either way.
+__device__ __forceinline__ int Fp8TileRow(int g) { return ((g & 1) << 2) | (g >> 1); }
+
+// A slot's 16-byte chunk c of tile row r sits at chunk c ^ 4 in rows 4-7 and 12-15: a quarter
+// warp's reads (tile rows a and 4 + a, chunks t or 4 + t) then fall in distinct banks.
+__device__ __forceinline__ int SlotOffset(int row, int chunk) { return row * kFp8Block + ((chunk ^ (row & 4)) << 4); }
 
 __device__ __forceinline__ void MmaE4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                         uint32_t b0, uint32_t b1) {
@@ -563,8 +570,9 @@ __device__ __forceinline__ void Fp8RunEpilogue(Bf16* out, Fp8Partial<kGated, kSl
     for (int sl = 0; sl < kSlices; ++sl)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int row = sl * 8 + 2 * t + (c & 1);  // C fragment: c0, c1 at weight row g, c2, c3 at g + 8
-        const int64_t col = tile * kFp8TileRows + g + (c >> 1) * 8;
+        // C fragment: c0, c1 at fragment row g (tile row Fp8TileRow(g)), c2, c3 at g + 8.
+        const int row = sl * 8 + 2 * t + (c & 1);
+        const int64_t col = tile * kFp8TileRows + Fp8TileRow(g) + (c >> 1) * 8;
         float tile_sum[kTiles];
 #pragma unroll
         for (int q = 0; q < kTiles; ++q) {
@@ -691,10 +699,11 @@ __device__ __noinline__ void Fp8RingSegment(const Fp8Segment& s, uint8_t* staged
 #pragma unroll
         for (int q = 0; q < kTiles; ++q) {
           const uint8_t* tile_bytes = slot + q * kFp8TileBytes;
-          a[q][0] = *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g, t));
-          a[q][1] = *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g, 4 + t));
-          a[q][2] = *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g + 8, t));
-          a[q][3] = *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(g + 8, 4 + t));
+          const int row = Fp8TileRow(g);
+          a[q][0] = *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(row, t));
+          a[q][1] = *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(row, 4 + t));
+          a[q][2] = *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(row + 8, t));
+          a[q][3] = *reinterpret_cast<const uint4*>(tile_bytes + SlotOffset(row + 8, 4 + t));
           w_scale[q] = reinterpret_cast<const float*>(slot + kTiles * kFp8TileBytes)[q];
         }
         Fp8BlockProduct<kTiles, kSlices>(sum, a, w_scale, staged, row_scale, stride, blocks_k, block_begin + i, pass_rows);
@@ -719,6 +728,27 @@ struct Fp8Fragments {
   float w_scale[kTiles];
 };
 
+// The stream kernel loads, lane (g, t), chunk 4 * (g & 1) + t of tile rows g / 2, 4 + g / 2,
+// 8 + g / 2 and 12 + g / 2 into v[0..3]: each 8 lanes one row's whole line. Each pair of lanes
+// g, g ^ 1 then swaps one of each two loads (16 bytes, four shuffles) to hold MmaBlock's fragments
+// of tile rows Fp8TileRow(g) and that + 8: chunks t and 4 + t of each.
+__device__ __forceinline__ void LinesToFragments(const uint4 (&v)[4], uint4 (&a)[4]) {
+  const bool odd = (threadIdx.x >> 2) & 1;
+#pragma unroll
+  for (int h = 0; h < 4; h += 2) {
+    // Even g keeps row g / 2's chunk t and gets its chunk 4 + t; odd g keeps row 4 + g / 2's
+    // chunk 4 + t and gets its chunk t.
+    const uint4 send = odd ? v[h] : v[h + 1];
+    uint4 got;
+    got.x = __shfl_xor_sync(0xffffffffu, send.x, 4);
+    got.y = __shfl_xor_sync(0xffffffffu, send.y, 4);
+    got.z = __shfl_xor_sync(0xffffffffu, send.z, 4);
+    got.w = __shfl_xor_sync(0xffffffffu, send.w, 4);
+    a[h] = odd ? got : v[h];
+    a[h + 1] = odd ? v[h + 1] : got;
+  }
+}
+
 template <bool kGated, int kSlices, int kDepth>
 __device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, uint8_t* staged,
                                                  Fp8Partial<kGated, kSlices>& partial) {
@@ -741,11 +771,11 @@ __device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, uint8_t* s
   const int count32 = static_cast<int>(((blocks_k + warps_per_unit - 1) / warps_per_unit + kDepth - 1) / kDepth * kDepth);
   const int tiles32 = static_cast<int>(out_width / kFp8TileRows);
 
-  // Lane (g, t)'s weights: 16 bytes at t * 16 and 64 + t * 16 of rows g and g + 8 of each tile
-  // (MmaBlock's A operand). The items in order: run j (tile first_tile + j * units_per_block), K
-  // block begin + i of the warp's range; a cursor walks them by 32-bit offsets within the expert
+  // Lane (g, t)'s weights: 16 bytes at (4 * (g & 1) + t) * 16 of tile rows g / 2 + 4i, i < 4
+  // (LinesToFragments makes them MmaBlock's A operand). The items in order: run j (tile
+  // first_tile + j * units_per_block), K block begin + i of the warp's range; a cursor walks them by 32-bit offsets within the expert
   // (its [N, K] bytes are under 2^31), the fewer registers the more bytes in flight.
-  const uint8_t* weights = s.weights + g * k + t * 16;
+  const uint8_t* weights = s.weights + (g >> 1) * k + ((g & 1) * 4 + t) * 16;
   const int k32 = static_cast<int>(k), up_bytes = static_cast<int>(out_width * k);
   const int up_scales = static_cast<int>(out_width / kFp8Block * blocks_k);
   const int first_tile = s.first_run * s.units_per_block + unit;
@@ -775,10 +805,8 @@ __device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, uint8_t* s
 #pragma unroll
     for (int q = 0; q < kTiles; ++q) {
       const uint8_t* src = weights + c.offset + q * up_bytes;
-      f.a[q][0] = LoadStreamingBytes(src);
-      f.a[q][1] = LoadStreamingBytes(src + 64);
-      f.a[q][2] = LoadStreamingBytes(src + 8 * k32);
-      f.a[q][3] = LoadStreamingBytes(src + 8 * k32 + 64);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) f.a[q][i] = LoadStreamingBytes(src + 4 * i * k32);
       f.w_scale[q] = __ldg(s.scale + c.scale_offset + q * up_scales);
     }
   };
@@ -800,9 +828,13 @@ __device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, uint8_t* s
       for (int i = 0; i < count32; i += kDepth) {
 #pragma unroll
         for (int d = 0; d < kDepth; ++d) {
-          if (tile < tiles32 && i + d < own32)
-            Fp8BlockProduct<kTiles, kSlices>(sum, buffer[d].a, buffer[d].w_scale, staged, row_scale, stride, blocks_k,
+          if (tile < tiles32 && i + d < own32) {  // warp-uniform: LinesToFragments shuffles
+            uint4 a[kTiles][4];
+#pragma unroll
+            for (int q = 0; q < kTiles; ++q) LinesToFragments(buffer[d].a[q], a[q]);
+            Fp8BlockProduct<kTiles, kSlices>(sum, a, buffer[d].w_scale, staged, row_scale, stride, blocks_k,
                                              begin + i + d, pass_rows);
+          }
           load(next, buffer[d]);  // the run's next K blocks, or the next run's first
           advance(next);
         }

@@ -3,8 +3,10 @@
 // [32768, 7168] byte matrix, rotated over 4 copies so no read comes from L2), each scheme's kernel
 // only reading (and folding the bytes into a value it never stores, so nothing is dead code).
 // Schemes: contiguous 16-byte loads (the copy rate's pattern); the decode kernel's tile pattern
-// into registers (Fp8StreamSegment's loads); cp.async into per-warp rings (Fp8RingSegment's);
-// one-dimensional bulk copies (cp.async.bulk, one producer warp) of row pieces into a shared ring.
+// into registers, as MmaBlock's fragments (Fp8StreamSegment's loads until session 35) and as
+// whole lines swapped between lanes (its loads since); cp.async into per-warp rings
+// (Fp8RingSegment's); one-dimensional bulk copies (cp.async.bulk, one producer warp) of row pieces
+// into a shared ring.
 // On the GPU machine, repository root:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a cuda/read_bandwidth_bench.cu -o /tmp/rbw && /tmp/rbw
 #include <cuda_runtime.h>
@@ -49,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) Contiguous(const uint8_t* src, int64
 
 // The decode kernel's tiles into registers: a block takes consecutive 16-row tiles, its 8 warps
 // split K (128-byte blocks); per K block lane (g, t) loads rows g and g + 8 at t * 16 and
-// 64 + t * 16 (MmaBlock's A operand), kDepth K blocks in flight.
+// 64 + t * 16 (MmaBlock's A operand: half a line of 8 rows an instruction), kDepth K blocks in flight.
 template <int kDepth>
 __global__ void __launch_bounds__(kThreads, 1) TileRegisters(const uint8_t* src, int64_t n, int64_t k,
                                                              int tiles_per_block, unsigned* sink) {
@@ -75,6 +77,41 @@ __global__ void __launch_bounds__(kThreads, 1) TileRegisters(const uint8_t* src,
       for (int d = 0; d < kDepth; ++d)
 #pragma unroll
         for (int i = 0; i < 4; ++i) folded ^= v[d][i].x ^ v[d][i].w;
+    }
+  }
+  Keep(folded, sink);
+}
+
+// The same tiles as whole lines: lane (g, t) loads chunk 4 * (g & 1) + t of rows g / 2 + 4i, i < 4
+// (each 8 lanes one row's 128 bytes an instruction, Fp8StreamSegment's loads), then swaps one of
+// each two loads with lane g ^ 1 (LinesToFragments' shuffles) before folding them.
+template <int kDepth>
+__global__ void __launch_bounds__(kThreads, 1) TileLines(const uint8_t* src, int64_t n, int64_t k,
+                                                         int tiles_per_block, unsigned* sink) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const bool odd = g & 1;
+  const int64_t blocks_k = k / 128, kb0 = warp * blocks_k / 8, kb1 = (warp + 1) * blocks_k / 8;
+  unsigned folded = 0;
+  for (int j = 0; j < tiles_per_block; ++j) {
+    const int64_t tile = static_cast<int64_t>(blockIdx.x) * tiles_per_block + j;
+    if (tile >= n / 16) break;
+    const uint8_t* row = src + (tile * 16 + (g >> 1)) * k + ((g & 1) * 4 + t) * 16;
+    for (int64_t kb = kb0; kb < kb1; kb += kDepth) {
+      uint4 v[kDepth][4];
+#pragma unroll
+      for (int d = 0; d < kDepth; ++d) {
+        const bool in = kb + d < kb1;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[d][i] = in ? jax_moe::LoadStreamingBytes(row + (kb + d) * 128 + 4 * i * k) : uint4{};
+      }
+#pragma unroll
+      for (int d = 0; d < kDepth; ++d)
+#pragma unroll
+        for (int h = 0; h < 4; h += 2) {
+          const uint4 send = odd ? v[d][h] : v[d][h + 1];
+          const unsigned got_x = __shfl_xor_sync(0xffffffffu, send.x, 4), got_w = __shfl_xor_sync(0xffffffffu, send.w, 4);
+          folded ^= (odd ? got_x : v[d][h].x) ^ (odd ? v[d][h + 1].w : got_w);
+        }
     }
   }
   Keep(folded, sink);
@@ -245,6 +282,12 @@ int main() {
   });
   report("tiles into registers, 4 K blocks in flight", [&](uint8_t* w) {
     TileRegisters<4><<<tile_grid, kThreads>>>(w, n, k, tiles_per_block, sink);
+  });
+  report("tiles as whole lines into registers, 2 in flight", [&](uint8_t* w) {
+    TileLines<2><<<tile_grid, kThreads>>>(w, n, k, tiles_per_block, sink);
+  });
+  report("tiles as whole lines into registers, 4 in flight", [&](uint8_t* w) {
+    TileLines<4><<<tile_grid, kThreads>>>(w, n, k, tiles_per_block, sink);
   });
   {
     const int64_t pairs = n / 32;
