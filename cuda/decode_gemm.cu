@@ -773,8 +773,9 @@ __device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, uint8_t* s
 
   // Lane (g, t)'s weights: 16 bytes at (4 * (g & 1) + t) * 16 of tile rows g / 2 + 4i, i < 4
   // (LinesToFragments makes them MmaBlock's A operand). The items in order: run j (tile
-  // first_tile + j * units_per_block), K block begin + i of the warp's range; a cursor walks them by 32-bit offsets within the expert
-  // (its [N, K] bytes are under 2^31), the fewer registers the more bytes in flight.
+  // first_tile + j * units_per_block), K block begin + i of the warp's range; a cursor walks them
+  // by 32-bit offsets within the expert (its [N, K] bytes are under 2^31), the fewer registers the
+  // more bytes in flight.
   const uint8_t* weights = s.weights + (g >> 1) * k + ((g & 1) * 4 + t) * 16;
   const int k32 = static_cast<int>(k), up_bytes = static_cast<int>(out_width * k);
   const int up_scales = static_cast<int>(out_width / kFp8Block * blocks_k);
