@@ -51,6 +51,33 @@ __device__ __forceinline__ uint4 LoadStreamingBytes(const uint8_t* p) {
   return v;
 }
 
+// An L2 policy for weights a kernel reads once: evict-first (their lines leave L2 before any
+// other's), or, with evict_first false, the lines' priority unchanged (a plain load's).
+__device__ __forceinline__ uint64_t StreamPolicy(bool evict_first) {
+  uint64_t policy;
+  if (evict_first)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_unchanged.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// LoadStreaming and LoadStreamingBytes under an L2 policy (StreamPolicy).
+__device__ __forceinline__ uint4 LoadStreaming(const __nv_bfloat16* p, uint64_t policy) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "l"(policy));
+  return v;
+}
+__device__ __forceinline__ uint4 LoadStreamingBytes(const uint8_t* p, uint64_t policy) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(policy));
+  return v;
+}
+
 }  // namespace jax_moe
 
 #endif  // JAX_MOE_BF16_VECTOR_CUH_

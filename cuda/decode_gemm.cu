@@ -30,6 +30,22 @@ using Bf16 = __nv_bfloat16;
 
 __device__ __forceinline__ int Clamp(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+// Whether the decode kernels read their weights under an evict-first L2 policy. A layer at decode
+// streams hundreds of MB of weights, each line once; under the default policy they push out of L2
+// what the small launches between them read again (the router's weights, the tokens, the permuted
+// rows, the scratch's offsets, the down projection's output), which then come from HBM at each
+// launch's start. On an H100, DeepSeek-V3's FP8 layer at T = 1 took 190 us with plain loads and 182
+// with evict-first, 5.3 of the 8.6 us in permute and unpermute; Qwen3-30B's bf16 layer 57.1 and 50.9
+// (notebooks/results/decode_evict_first_h100.md).
+// JAX_MOE_DECODE_EVICT_FIRST=0 reads them plainly (a knob for measuring; read once).
+bool DecodeEvictFirst() {
+  static const bool on = [] {
+    const char* value = std::getenv("JAX_MOE_DECODE_EVICT_FIRST");
+    return value == nullptr || std::atoi(value) != 0;
+  }();
+  return on;
+}
+
 struct Group {
   int index;  // -1: fewer experts than the slot own rows
   int start, end;
@@ -153,6 +169,7 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   const int64_t k_chunk = kSplit > 1 ? (k / kStepRows + kSplit - 1) / kSplit * kStepRows : k;
   const int64_t k_begin = split * k_chunk;
   const int64_t k_end = k_begin + k_chunk < k ? k_begin + k_chunk : k;
+  const uint64_t policy = StreamPolicy(p.evict_first);
 
   for (int first_row = group.start; first_row < group.end; first_row += kRowsPerPass) {
     const int rows_now = min(kRowsPerPass, group.end - first_row);
@@ -171,7 +188,7 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
       for (int s = 0; s < kInFlight; ++s) {
         const bool load = col_ok && k0 + s * kStep < k_end;
 #pragma unroll
-        for (int i = 0; i < kStepRows; ++i) w[s][i] = load ? LoadStreaming(weights + (k0 + s * kStep + i) * n) : uint4{};
+        for (int i = 0; i < kStepRows; ++i) w[s][i] = load ? LoadStreaming(weights + (k0 + s * kStep + i) * n, policy) : uint4{};
       }
 #pragma unroll
       for (int s = 0; s < kInFlight; ++s)
@@ -394,6 +411,11 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
                :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))), "l"(global));
 }
+// CpAsync16 under an L2 policy (StreamPolicy).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* global, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))), "l"(global), "l"(policy));
+}
 __device__ __forceinline__ void CpAsync4(void* smem, const void* global) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
                :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))), "l"(global));
@@ -446,6 +468,7 @@ struct Fp8DecodeGemmArgs {
   // blocks_per_slot blocks a slot of runs_per_block runs each (no block meets two slots).
   int64_t num_slots, runs_per_slot, units_per_cta, blocks_per_slot;
   int64_t ring_offset;      // bytes of dynamic shared memory before the warps' rings: the staged rows'
+  bool evict_first = false; // the weights read under an evict-first L2 policy (DecodeEvictFirst)
 
   // Optional (shared_weights non-null): a shared expert's product as one more slot whose group is
   // every row of shared_rows, with its own sizes (N, K) and tiling.
@@ -601,6 +624,7 @@ struct Fp8Segment {
   int64_t k, n;
   int units_per_block, pass_rows, group_rows;
   int first_run, runs;
+  bool evict_first;
 };
 
 // A segment through the rings: each warp streams its tiles' K blocks through its own ring of
@@ -645,6 +669,7 @@ __device__ __noinline__ void Fp8RingSegment(const Fp8Segment& s, uint8_t* staged
   // per item sat between a slot landing and the next copy going out, and the ring is only as deep
   // as that gap lets it be.
   int issue_tile = first_tile, issue_i = 0, issue_slot = 0;
+  const uint64_t policy = StreamPolicy(s.evict_first);  // (DecodeEvictFirst)
   auto issue_next = [&]() {
     const int kb = block_begin + issue_i;
     if (issue_tile < last_tile) {
@@ -655,7 +680,8 @@ __device__ __noinline__ void Fp8RingSegment(const Fp8Segment& s, uint8_t* staged
       for (int i = 0; i < kTiles; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-          CpAsync16(dst + i * kFp8TileBytes + SlotOffset(copy_row + 4 * j, copy_chunk), src + (i * out_width + 4 * j) * k);
+          CpAsync16(dst + i * kFp8TileBytes + SlotOffset(copy_row + 4 * j, copy_chunk), src + (i * out_width + 4 * j) * k,
+                    policy);
       if (lane < kTiles)
         CpAsync4(dst + kTiles * kFp8TileBytes + lane * 4,
                  s.scale + (row0 + (lane == 1 ? out_width : 0)) / kFp8Block * blocks_k + kb);
@@ -801,13 +827,14 @@ __device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, uint8_t* s
     }
   };
   const int last_tile = min(tiles32, first_tile + runs * tile_step);  // past this block's runs
+  const uint64_t policy = StreamPolicy(s.evict_first);  // (DecodeEvictFirst)
   auto load = [&](const Cursor& c, Fp8Fragments<kTiles>& f) {
     if (c.tile >= last_tile || c.i >= own32) return;
 #pragma unroll
     for (int q = 0; q < kTiles; ++q) {
       const uint8_t* src = weights + c.offset + q * up_bytes;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) f.a[q][i] = LoadStreamingBytes(src + 4 * i * k32);
+      for (int i = 0; i < 4; ++i) f.a[q][i] = LoadStreamingBytes(src + 4 * i * k32, policy);
       f.w_scale[q] = __ldg(s.scale + c.scale_offset + q * up_scales);
     }
   };
@@ -888,6 +915,7 @@ __global__ void __launch_bounds__(kThreads, kDepth == 0 ? 2 : 1) Fp8DecodeKernel
       s.out = p.out + static_cast<int64_t>(group.start) * (kGated ? n / 2 : n);
       s.k = p.k, s.n = n;
       s.units_per_block = p.units_per_block, s.pass_rows = p.pass_rows, s.group_rows = group.end - group.start;
+      s.evict_first = p.evict_first;
     } else {
       s.first_run = static_cast<int>(u - routed);
       s.runs = static_cast<int>(end - u);
@@ -895,6 +923,7 @@ __global__ void __launch_bounds__(kThreads, kDepth == 0 ? 2 : 1) Fp8DecodeKernel
       s.rows = p.shared_rows, s.weights = p.shared_weights, s.scale = p.shared_scale, s.out = p.shared_out;
       s.k = p.shared_k, s.n = p.shared_n;
       s.units_per_block = p.shared_units_per_block, s.pass_rows = p.shared_pass_rows;
+      s.evict_first = p.evict_first;
       s.group_rows = static_cast<int>(p.shared_count);
     }
     if constexpr (kDepth == 0)
@@ -1000,6 +1029,7 @@ cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, int pass_rows, cudaStream_t 
   args.ring_offset = staging;
   args.stages = ring ? Fp8Stages<kGated, kSlices>(staging) : 0;
   const size_t smem = static_cast<size_t>(ring ? Fp8DecodeSmem<kGated>(staging, args.stages) : staging);
+  args.evict_first = DecodeEvictFirst();
   // Registers hold the stream kernel's loads in flight: one block an SM of up to 255 a thread.
   auto kernel = ring ? Fp8DecodeKernel<kGated, kSlices, 0> : Fp8DecodeKernel<kGated, kSlices, kGated ? 2 : 4>;
   // Past 48 KB of shared memory, static `partial` included, the dynamic part needs the opt-in.
@@ -1051,7 +1081,9 @@ cudaError_t LaunchFp8DecodeRows(const Fp8DecodeGemmArgs& args, int rows_per_pass
 
 }  // namespace
 
-cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream) {
+cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& given, cudaStream_t stream) {
+  DecodeGemmArgs args = given;
+  args.evict_first = DecodeEvictFirst();
   if (args.k % 8 != 0 || args.n % (args.gated ? 16 : 8) != 0 || args.num_groups < 1 ||
       args.num_groups > 65534 || args.out_rows < 0 || args.out_rows > (int64_t{1} << 30))
     return cudaErrorInvalidValue;
