@@ -727,8 +727,19 @@ _fp8_grouped_dot.defvjp(_fp8_grouped_dot_fwd, _fp8_grouped_dot_bwd)
 # shared expert at T = 1, 44 MB, 24 vs 44, at T = 4, 32 vs 44, at T = 16, 75 vs 44
 # (notebooks/results/fp8_decode_staged_rows_h200.md, python -m jax_moe.bench.fp8_decode_probe).
 # A shared expert then streams in the same launches (fp8_decode_swiglu_with_shared).
+# Since the decode kernels read their weights evict-first (notebooks/results/decode_evict_first_h100.md),
+# it also wins past 360 MB where the owning experts expect at most
+# FP8_DECODE_LARGE_MAX_ROWS_PER_EXPERT rows, up to FP8_DECODE_LARGE_MAX_BYTES. Measured on an H100,
+# µs per layer of the FP8 stack, CUTLASS vs decode kernel: DeepSeek-V3 at T = 2 (684 MB, 1.03 rows an
+# expert) 338 vs 311, at T = 4 (1.33 GB) 576 vs 539; Mixtral at T = 2 (583 MB, 1.21) 301 vs 284, at T = 4
+# (925 MB, 1.52) 400 vs 378; Qwen3.5-397B at T = 4 (485 MB) 257 vs 231, at T = 8 (933 MB) 433 vs 401;
+# Qwen3-30B at T = 16 (383 MB, 1.58) 198 vs 194. Not taken: Mixtral at T = 8 (1.24 GB, 2.27 rows an
+# expert) 449 vs 461, slower; Qwen3-30B at T = 32 (523 MB, 2.31) 244 vs 237, which the rows bound
+# leaves on CUTLASS.
 FP8_DECODE_MAX_ROWS_PER_EXPERT = 4.0
 FP8_DECODE_MAX_BYTES = 360e6
+FP8_DECODE_LARGE_MAX_ROWS_PER_EXPERT = 2.0
+FP8_DECODE_LARGE_MAX_BYTES = 1.4e9
 FP8_DECODE_MAX_K = 16384
 FP8_DECODE_ROWS_PER_PASS = (8, 16)
 
@@ -739,9 +750,11 @@ def fp8_decode_rows(num_rows: int, num_groups: int, hidden_size: int, ffn_size: 
     for the CUTLASS FP8 grouped GEMM (more rows per expert or more bytes than the limits above, or
     H or F past FP8_DECODE_MAX_K)."""
     weight_bytes = expected_owning_experts(num_rows, num_groups) * 3 * hidden_size * ffn_size
-    if (expected_rows_per_expert(num_rows, num_groups) > FP8_DECODE_MAX_ROWS_PER_EXPERT
-            or weight_bytes > FP8_DECODE_MAX_BYTES
-            or max(hidden_size, ffn_size) > FP8_DECODE_MAX_K):
+    rows_per_expert = expected_rows_per_expert(num_rows, num_groups)
+    if rows_per_expert > FP8_DECODE_MAX_ROWS_PER_EXPERT or max(hidden_size, ffn_size) > FP8_DECODE_MAX_K:
+        return 0
+    if weight_bytes > FP8_DECODE_MAX_BYTES and (weight_bytes > FP8_DECODE_LARGE_MAX_BYTES
+                                                or rows_per_expert > FP8_DECODE_LARGE_MAX_ROWS_PER_EXPERT):
         return 0
     return 8
 

@@ -577,15 +577,20 @@ def test_gpu_fp8_decode_kernel_shared_expert_group():
 
 
 def test_fp8_decode_rows_picks_the_decode_kernel_for_small_reads():
+    """The decode kernel up to 360 MB of weights at up to 4 rows an expert, and up to 1.4 GB at up to 2."""
     assert gemm.fp8_decode_rows(1, 1, 7168, 2048) == 8             # DeepSeek-V3's shared expert, T = 1: 44 MB
     assert gemm.fp8_decode_rows(4, 1, 7168, 2048) == 8             # T = 4
     assert gemm.fp8_decode_rows(16, 1, 7168, 2048) == 0            # T = 16: 16 rows an expert
     assert gemm.fp8_decode_rows(8, 128, 2048, 768) == 8            # Qwen3-30B's experts, T = 1: 38 MB
     assert gemm.fp8_decode_rows(10, 512, 4096, 1024) == 8          # Qwen3.5-397B's, T = 1: 126 MB
-    assert gemm.fp8_decode_rows(128, 128, 2048, 768) == 0          # Qwen3-30B's, T = 16: 382 MB
+    assert gemm.fp8_decode_rows(128, 128, 2048, 768) == 8          # Qwen3-30B's, T = 16: 383 MB, 1.6 rows an expert
+    assert gemm.fp8_decode_rows(256, 128, 2048, 768) == 0          # T = 32: 523 MB, 2.3 rows an expert
     assert gemm.fp8_decode_rows(8, 256, 7168, 2048) == 8           # DeepSeek-V3's experts, T = 1: 348 MB
     assert gemm.fp8_decode_rows(2, 8, 4096, 14336) == 8            # Mixtral's, T = 1: 330 MB
-    assert gemm.fp8_decode_rows(16, 256, 7168, 2048) == 0          # DeepSeek-V3's, T = 2: 684 MB
+    assert gemm.fp8_decode_rows(16, 8, 4096, 14336) == 0           # T = 8: 1.24 GB, 2.3 rows an expert
+    assert gemm.fp8_decode_rows(16, 256, 7168, 2048) == 8          # DeepSeek-V3's, T = 2: 684 MB
+    assert gemm.fp8_decode_rows(32, 256, 7168, 2048) == 8          # T = 4: 1.33 GB
+    assert gemm.fp8_decode_rows(64, 256, 7168, 2048) == 0          # T = 8: 2.5 GB
     assert gemm.fp8_decode_rows(4096 * 8, 256, 7168, 2048) == 0    # prefill
     assert gemm.fp8_decode_rows(1, 1, 256, gemm.FP8_DECODE_MAX_K + 128) == 0  # F past the staging
 
