@@ -719,8 +719,8 @@ _fp8_grouped_dot.defvjp(_fp8_grouped_dot_fwd, _fp8_grouped_dot_bwd)
 # launches (the rows quantised in each block, SwiGLU in the gate/up epilogue), no quantisation,
 # setup or activation kernels between, no workspace. It starts faster than CUTLASS's FP8 path and,
 # staging only the rows an expert can own (group_rows), streams as fast up to about 350 MB, so it
-# is taken while the owning experts expect at most FP8_DECODE_MAX_ROWS_PER_EXPERT rows and together
-# read at most FP8_DECODE_MAX_BYTES of weights (Qwen3-30B at T = 16, a tie, stays on CUTLASS).
+# was taken while the owning experts expect at most FP8_DECODE_MAX_ROWS_PER_EXPERT rows and together
+# read at most FP8_DECODE_MAX_BYTES of weights (Qwen3-30B at T = 16, then a tie, stayed on CUTLASS).
 # Measured on the H200, kernel times per call, decode kernel vs CUTLASS: DeepSeek-V3's experts at T = 1, 352 MB, 111 vs 119 us, and at T =
 # 2, 680 MB, 205 vs 195; Mixtral's two at T = 1, 352 MB, 111 vs 130; Qwen3.5-397B's at T = 1, 126
 # MB, 50 vs 65; Qwen3-30B's at T = 1, 22 vs 33, and at T = 16, 382 MB, 124 vs 123; DeepSeek-V3's
