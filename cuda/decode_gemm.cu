@@ -32,10 +32,10 @@ __device__ __forceinline__ int Clamp(int v, int lo, int hi) { return v < lo ? lo
 
 // Whether the decode kernels read their weights under an evict-first L2 policy. A layer at decode
 // streams hundreds of MB of weights, each line once; under the default policy they push out of L2
-// what the small launches between them read again (the router's weights, the tokens, the permuted
-// rows, the scratch's offsets, the down projection's output), which then come from HBM at each
-// launch's start. On an H100, DeepSeek-V3's FP8 layer at T = 1 took 190 us with plain loads and 182
-// with evict-first, 5.3 of the 8.6 us in permute and unpermute; Qwen3-30B's bf16 layer 57.1 and 50.9
+// what the small launches between them read again (the tokens, the permuted rows, the scratch's
+// offsets, the down projection's output), which then come from HBM at each launch's start. On an
+// H100, DeepSeek-V3's FP8 layer at T = 1 took 190 us with plain loads and 182 with evict-first, 5.3
+// of the 8.6 us in permute and unpermute; Qwen3-30B's bf16 layer 57.1 and 50.9
 // (notebooks/results/decode_evict_first_h100.md).
 // JAX_MOE_DECODE_EVICT_FIRST=0 reads them plainly (a knob for measuring; read once).
 bool DecodeEvictFirst() {
