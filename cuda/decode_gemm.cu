@@ -915,7 +915,6 @@ __global__ void __launch_bounds__(kThreads, kDepth == 0 ? 2 : 1) Fp8DecodeKernel
       s.out = p.out + static_cast<int64_t>(group.start) * (kGated ? n / 2 : n);
       s.k = p.k, s.n = n;
       s.units_per_block = p.units_per_block, s.pass_rows = p.pass_rows, s.group_rows = group.end - group.start;
-      s.evict_first = p.evict_first;
     } else {
       s.first_run = static_cast<int>(u - routed);
       s.runs = static_cast<int>(end - u);
@@ -923,9 +922,9 @@ __global__ void __launch_bounds__(kThreads, kDepth == 0 ? 2 : 1) Fp8DecodeKernel
       s.rows = p.shared_rows, s.weights = p.shared_weights, s.scale = p.shared_scale, s.out = p.shared_out;
       s.k = p.shared_k, s.n = p.shared_n;
       s.units_per_block = p.shared_units_per_block, s.pass_rows = p.shared_pass_rows;
-      s.evict_first = p.evict_first;
       s.group_rows = static_cast<int>(p.shared_count);
     }
+    s.evict_first = p.evict_first;  // routed or shared, the launch's policy
     if constexpr (kDepth == 0)
       Fp8RingSegment<kGated, kSlices>(s, staged, AlignSlots(staged + p.ring_offset), p.stages, partial);
     else
