@@ -3,7 +3,8 @@
 // router row) and 8 consecutive rows of H per step (one 16-byte load of each token's x); lanes and
 // warps split the slice and a fixed-order reduction sums their parts. The last block to arrive
 // sums the slices in slice order and routes: one warp per token for the softmax, then the top k by
-// rank (every thread ranks its pairs in their token's row) or, for longer rows, in warp arg-max rounds.
+// rank (every thread ranks its pairs in their token's row) or, for longer rows, in k rounds of warp
+// reductions.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -37,13 +38,12 @@ constexpr int kMaxGroups = 32;
 constexpr int kMaxSlices = 8;                     // slices of H: the last block reads 8 x T x E sums
 constexpr int kPairsAtOnce = 4;                   // pairs whose sums a thread loads at once
 // The top k by rank (each thread ranks its pairs against their token's row) while a thread has at
-// most this many compares, else a warp per token in k arg-max rounds. Measured on an H100, the
-// routing block's top k with its code cold (route_phase_bench, notebooks/results/
-// router_rank_phases_h100.txt), rounds -> rank: Qwen3-30B T = 1 3.3 -> 1.2 us (128 compares a thread),
-// DeepSeek-V3 T = 1 3.3 -> 2.7 (256), Mixtral 1.1 -> 0.6; but DeepSeek-V3 T = 2 3.5 -> 5.5 (512) and
-// Qwen3.5 T = 1 4.1 -> 9.9 (1024): the compares are issue-bound. JAX_MOE_ROUTER_RANK_COMPARES sets
-// the limit (0: always the rounds), to measure one against the other.
-constexpr int kRankMaxCompares = 256;
+// most this many compares, else a warp per token in k rounds of warp reductions (WarpTopK).
+// Router launch in the layer, CUPTI, on an H100 (notebooks/results/router_warp_reductions_h100.md):
+// rank -> rounds, DeepSeek-V3 T = 1 (256 compares) 12.8 -> 11.4 us, but Qwen3-30B T = 1 (128)
+// 6.8 -> 7.2. JAX_MOE_ROUTER_RANK_COMPARES sets the limit (0: always the rounds), to measure one
+// against the other.
+constexpr int kRankMaxCompares = 128;
 
 // Phase marks for cuda/route_phase_bench.cu, which defines the macro before including this file to
 // time each phase of the kernel; nothing in the module's build.
@@ -56,39 +56,8 @@ __device__ __forceinline__ float WarpMax(float v) {
   return v;
 }
 
-// A warp's k best choices in k rounds of a warp arg-max: greater first, ties to the lower index
-// (lax.top_k's order). Lane l holds experts l, l + 32, ... in value (slots past num_experts hold
-// none). Lane j < k gets the j-th choice.
-template <int kPerLane>
-__device__ __forceinline__ int WarpTopK(const float (&value)[kPerLane], int num_experts, int top_k) {
-  const int lane = threadIdx.x & 31;
-  unsigned taken = 0;  // bit i: value[i] holds no expert, or one already chosen
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i)
-    if (i * 32 + lane >= num_experts) taken |= 1u << i;
-  int chosen = 0;
-  for (int j = 0; j < top_k; ++j) {
-    float best = -INFINITY;
-    int index = INT_MAX;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i)
-      if (!(taken >> i & 1) && (index == INT_MAX || value[i] > best)) best = value[i], index = i * 32 + lane;
-    for (int d = 16; d > 0; d >>= 1) {
-      const float other = __shfl_xor_sync(~0u, best, d);
-      const int other_index = __shfl_xor_sync(~0u, index, d);
-      if (other_index != INT_MAX && (index == INT_MAX || other > best || (other == best && other_index < index)))
-        best = other, index = other_index;
-    }
-    if ((index & 31) == lane) taken |= 1u << (index >> 5);
-    if (lane == j) chosen = index;
-  }
-  return chosen;
-}
-
 // A float's place in lax.top_k's total order as an unsigned key: greater floats, greater keys, -0
 // below +0, NaN above +inf (-NaN below -inf). Keys and indices together make every rank distinct.
-// (The warp rounds' float compares tie -0 with +0 and order NaN by position; a choice is never -0,
-// and NaN only from non-finite inputs, where both still give in-range, distinct ids.)
 __device__ __forceinline__ uint32_t OrderKey(float v) {
   const uint32_t bits = __float_as_uint(v);
   return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
@@ -115,6 +84,100 @@ __device__ __forceinline__ void KeepTwoBest(float v, float& first, float& second
   } else if (v > second) {
     second = v;
   }
+}
+
+// Merges a warp's or a slot's two best values (first >= second) into (first, second): the two best
+// of the four, a duplicate best counting twice (the values a sequential KeepTwoBest scan keeps).
+__device__ __forceinline__ void MergeTwoBest(float other_first, float other_second, float& first, float& second) {
+  const float low = fminf(first, other_first);
+  first = fmaxf(first, other_first);
+  second = fmaxf(low, fmaxf(second, other_second));
+}
+
+// DeepSeek-V3's group limit on a warp's row of choices (lane l holds experts l, l + 32, ... in
+// value; slots past num_experts are ignored): groups are scored by the sum of their two best
+// choices, and the choices outside the topk_group best groups (greater first, ties to the lower
+// group) become -inf. Whole warp; no shared memory.
+template <int kPerLane>
+__device__ __forceinline__ void LimitToGroups(float (&value)[kPerLane], int num_experts, int n_group, int topk_group) {
+  const int lane = threadIdx.x & 31, group_size = num_experts / n_group;
+  float my_group_score = -INFINITY;  // lane g < n_group: group g's score
+  if (group_size % 32 == 0) {
+    // A slot's 32 experts lie in one group: the warp's two best of every slot at once (independent
+    // butterflies), then each group merges its slots in order.
+    float first[kPerLane], second[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) first[i] = i * 32 < num_experts ? value[i] : -INFINITY, second[i] = -INFINITY;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1)
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i)
+        MergeTwoBest(__shfl_xor_sync(~0u, first[i], d), __shfl_xor_sync(~0u, second[i], d), first[i], second[i]);
+    float f = -INFINITY, s = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      if (i * 32 >= num_experts) break;
+      MergeTwoBest(first[i], second[i], f, s);
+      if ((i + 1) * 32 % group_size == 0) {
+        if (lane == i * 32 / group_size) my_group_score = __fadd_rn(f, s);
+        f = s = -INFINITY;
+      }
+    }
+  } else {
+    for (int g = 0; g < n_group; ++g) {
+      float first = -INFINITY, second = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int e = i * 32 + lane;
+        if (e >= g * group_size && e < (g + 1) * group_size && e < num_experts) KeepTwoBest(value[i], first, second);
+      }
+      for (int d = 16; d > 0; d >>= 1)
+        MergeTwoBest(__shfl_xor_sync(~0u, first, d), __shfl_xor_sync(~0u, second, d), first, second);
+      if (lane == g) my_group_score = __fadd_rn(first, second);
+    }
+  }
+  // Group g is eligible when fewer than topk_group groups beat it (greater, or equal and lower).
+  int rank = 0;
+  for (int h = 0; h < n_group; ++h) {
+    const float u = __shfl_sync(~0u, my_group_score, h);
+    rank += (u > my_group_score) || (u == my_group_score && h < lane);
+  }
+  const unsigned eligible = __ballot_sync(~0u, lane < n_group && rank < topk_group);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = i * 32 + lane;
+    if (e < num_experts && !(eligible >> (e / group_size) & 1)) value[i] = -INFINITY;
+  }
+}
+
+// A warp's k best choices in k rounds of two warp reductions: each lane offers its best slot not
+// yet taken, the warp takes the greatest key (lax.top_k's order, OrderKey) and, among equal keys,
+// the lowest expert. Lane l holds experts l, l + 32, ... in value (slots past num_experts are never
+// offered). Lane j < k gets the j-th choice. (redux.sync replaces the five shuffle steps of a
+// (value, index) arg-max: at T = 4096 the choice kernel went 15.3 -> 10.7 us for DeepSeek-V3.)
+template <int kPerLane>
+__device__ __forceinline__ int WarpTopK(const float (&value)[kPerLane], int num_experts, int top_k) {
+  const int lane = threadIdx.x & 31;
+  uint32_t key[kPerLane];
+  unsigned taken = 0;  // bit i: slot i holds no expert, or one already chosen
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    key[i] = OrderKey(value[i]);
+    if (i * 32 + lane >= num_experts) taken |= 1u << i;
+  }
+  int chosen = 0;
+  for (int j = 0; j < top_k; ++j) {
+    uint32_t best_key = 0;
+    int best = -1;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      if (!(taken >> i & 1) && (best < 0 || key[i] > best_key)) best_key = key[i], best = i;
+    const uint32_t top = __reduce_max_sync(~0u, best >= 0 ? best_key : 0u);
+    const uint32_t expert = __reduce_min_sync(~0u, best >= 0 && best_key == top ? best * 32 + lane : UINT_MAX);
+    if ((expert & 31) == lane) taken |= 1u << (expert >> 5);
+    if (lane == j) chosen = static_cast<int>(expert);
+  }
+  return chosen;
 }
 
 // Shared memory of the block: the reduction's per-warp parts while reducing, then the routing's
@@ -242,8 +305,8 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, int rank_max_compare
       }
     }
   } else {
-    // One warp per token takes its k best choices in k rounds of a warp arg-max (greater first, ties
-    // to the lower index, as lax.top_k). Lane l holds experts l, l + 32, ...; lane j keeps the j-th.
+    // One warp per token takes its k best choices in k rounds of warp reductions (lax.top_k's order).
+    // Lane l holds experts l, l + 32, ...; lane j keeps the j-th.
     for (int t = warp; t < num_tokens; t += kWarps) {
       const float* row = choice + t * num_experts;
       float value[kMaxPerLane];
@@ -495,9 +558,8 @@ namespace {
 
 constexpr int kChooseWarps = 8;  // tokens a block of the choice kernel takes
 
-// Token t's k best choices (one warp per token; lane l holds experts l, l + 32, ... of the row).
-// The group limit, then k rounds of a warp arg-max: greater first, ties to the lower index, the
-// comparisons of the decode router's Route (and so lax.top_k's ids on the same choices).
+// Token t's k best choices (one warp per token; lane l holds experts l, l + 32, ... of the row):
+// the group limit, then the top k by warp reductions in lax.top_k's order (its ids on the same choices).
 template <int kPerLane>
 __global__ void __launch_bounds__(kChooseWarps * 32) ChooseExpertsKernel(ChooseExpertsArgs a) {
   const int lane = threadIdx.x & 31;
@@ -511,39 +573,7 @@ __global__ void __launch_bounds__(kChooseWarps * 32) ChooseExpertsKernel(ChooseE
     const int e = i * 32 + lane;
     value[i] = e < num_experts ? row[e] : -INFINITY;
   }
-  if (a.n_group > 1) {
-    const int n_group = static_cast<int>(a.n_group), group_size = num_experts / n_group;
-    // Each group's two best choices (a duplicate best counts twice, as a sequential scan gives),
-    // summed: lane g keeps group g's score.
-    float my_group_score = -INFINITY;
-    for (int g = 0; g < n_group; ++g) {
-      float first = -INFINITY, second = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) {
-        const int e = i * 32 + lane;
-        if (e >= g * group_size && e < (g + 1) * group_size && e < num_experts) KeepTwoBest(value[i], first, second);
-      }
-      for (int d = 16; d > 0; d >>= 1) {
-        const float other_first = __shfl_xor_sync(~0u, first, d), other_second = __shfl_xor_sync(~0u, second, d);
-        const float low = fminf(first, other_first);
-        first = fmaxf(first, other_first);
-        second = fmaxf(low, fmaxf(second, other_second));
-      }
-      if (lane == g) my_group_score = __fadd_rn(first, second);
-    }
-    // Group g is eligible when fewer than topk_group groups beat it (greater, or equal and lower).
-    int rank = 0;
-    for (int h = 0; h < n_group; ++h) {
-      const float u = __shfl_sync(~0u, my_group_score, h);
-      rank += (u > my_group_score) || (u == my_group_score && h < lane);
-    }
-    const unsigned eligible = __ballot_sync(~0u, lane < n_group && rank < a.topk_group);
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int e = i * 32 + lane;
-      if (e < num_experts && !(eligible >> (e / group_size) & 1)) value[i] = -INFINITY;
-    }
-  }
+  if (a.n_group > 1) LimitToGroups(value, num_experts, static_cast<int>(a.n_group), static_cast<int>(a.topk_group));
   const int chosen = WarpTopK(value, num_experts, top_k);
   if (lane < top_k) a.topk_ids[t * top_k + lane] = chosen;
 }

@@ -10,7 +10,8 @@
 // Per case it prints the kernel's time with the router's weights in L2 (a graph of launches), cold
 // (L2 overwritten before each launch, as in a layer, where the experts' weights evict it), and cold
 // with its code too (a kernel of 256 KB of code runs on every SM before each launch, as the experts'
-// launches do in a layer), then the phases of the last, averaged.
+// launches do in a layer), then the phases of the last, averaged, and a hash of its results (equal
+// across builds that route alike). Last, the prefill choice kernel (ChooseExperts) at T = 4096, warm.
 // On the GPU machine, repository root:
 //   nvcc -std=c++17 -O3 --fmad=false -gencode=arch=compute_90a,code=sm_90a cuda/route_phase_bench.cu -o /tmp/rpb && /tmp/rpb
 #include <cuda_bf16.h>
@@ -191,9 +192,19 @@ void Run(const Case& c, int64_t tokens, uint8_t* evict, size_t evict_bytes, cuda
       for (int64_t m = 0; m < j; ++m) ok = ok && host_ids[tk * c.top_k + m] != id;
     }
 
-  printf("%-12s T=%ld  %ld blocks  warm %6.2f us  cold %6.2f us  code cold too %6.2f us (medians of %d)  %s\n",
+  // FNV-1a of the ids', weights' and logits' bits: equal across builds that route the same.
+  std::vector<float> host_weights(tokens * c.top_k), host_logits(tokens * c.experts);
+  CK(cudaMemcpy(host_weights.data(), weights, host_weights.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(host_logits.data(), logits, host_logits.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  uint64_t hash = 1469598103934665603ull;
+  auto mix = [&](uint32_t word) { hash = (hash ^ word) * 1099511628211ull; };
+  for (int32_t id : host_ids) mix(static_cast<uint32_t>(id));
+  for (float v : host_weights) mix(*reinterpret_cast<uint32_t*>(&v));
+  for (float v : host_logits) mix(*reinterpret_cast<uint32_t*>(&v));
+  printf("%-12s T=%ld  %ld blocks  warm %6.2f us  cold %6.2f us  code cold too %6.2f us (medians of %d)  %s  fnv %016llx\n",
          c.name, static_cast<long>(tokens), static_cast<long>(blocks), warm_us, cold_ms[kCold / 2] * 1000.0,
-         code_cold_ms[kCold / 2] * 1000.0, kCold, ok ? "ids ok" : "BAD IDS OR COUNTER");
+         code_cold_ms[kCold / 2] * 1000.0, kCold, ok ? "ids ok" : "BAD IDS OR COUNTER",
+         static_cast<unsigned long long>(hash));
   printf("    code cold, from the first block's start, ns: products reduced %.0f (a block's mean), counted in %.0f (median) "
          "%.0f (last), the routing block's arrival %.0f\n", block_work_ns / kCold, counted_in_median_ns / kCold,
          counted_in_max_ns / kCold, last_arrival_ns / kCold);
@@ -209,6 +220,27 @@ void Run(const Case& c, int64_t tokens, uint8_t* evict, size_t evict_bytes, cuda
     CK(cudaFree(p));
 }
 
+// The prefill choice kernel (ChooseExperts, which shares the group limit) at T = 4096, warm (a graph of launches).
+void RunChoose(const Case& c, cudaStream_t stream) {
+  constexpr int64_t kTokens = 4096;
+  if (!jax_moe::ChooseExpertsFits(c.experts, c.top_k, c.n_group, c.topk_group)) return;
+  auto choice = Upload(Draw(kTokens * c.experts, 17, 1.0f));
+  int32_t* ids;
+  CK(cudaMalloc(&ids, kTokens * c.top_k * sizeof(int32_t)));
+  jax_moe::ChooseExpertsArgs a{};
+  a.choice = choice, a.topk_ids = ids, a.num_tokens = kTokens, a.num_experts = c.experts, a.top_k = c.top_k;
+  a.n_group = c.n_group, a.topk_group = c.topk_group;
+  const double us = jax_moe::GraphMicroseconds(stream, 20, 21, [&] { CK(jax_moe::LaunchChooseExperts(a, stream)); });
+  std::vector<int32_t> host(kTokens * c.top_k);
+  CK(cudaMemcpy(host.data(), ids, host.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a of the ids: the same in every build
+  for (int32_t id : host) hash = (hash ^ static_cast<uint32_t>(id)) * 1099511628211ull;
+  printf("%-12s choose experts T=%ld warm %7.2f us  ids fnv %016llx\n", c.name, static_cast<long>(kTokens), us,
+         static_cast<unsigned long long>(hash));
+  CK(cudaFree(choice));
+  CK(cudaFree(ids));
+}
+
 }  // namespace
 
 int main() {
@@ -219,6 +251,7 @@ int main() {
   CK(cudaMalloc(&evict, evict_bytes));
   for (const Case& c : kCases)
     for (int64_t tokens : {1, 2}) Run(c, tokens, evict, evict_bytes, stream);
+  for (const Case& c : kCases) RunChoose(c, stream);
   CK(cudaFree(evict));
   CK(cudaStreamDestroy(stream));
   return 0;

@@ -210,8 +210,8 @@ for gated, (k, n, shared_k, shared_n) in ((True, (264, 192, 264, 512)), (False, 
           "rows past live zero", not np.asarray(out[live:], np.float32).any())
 
 # The decode router: one token and two token groups (T = 12), softmax and DeepSeek-V3's groups
-# with a bias, E from 8 to 512 (a partial expert tile at E = 8); the top k by rank (T = 1 and 3,
-# DeepSeek-V3's at T = 1 after the group limit) and in warp rounds (T = 8 and 12).
+# with a bias, E from 8 to 512 (a partial expert tile at E = 8); the top k by rank (T = 1 and 3 at
+# E <= 128) and in rounds of warp reductions (DeepSeek-V3's at T = 1 and 12 after the group limit, T = 8).
 DEEPSEEK_ROUTING = dict(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5)
 for num_tokens, experts, hidden_size, extra in ((1, 128, 2048, {}), (12, 256, 7168, DEEPSEEK_ROUTING),
                                                 (1, 256, 7168, DEEPSEEK_ROUTING), (3, 8, 264, {}), (8, 512, 4096, {})):

@@ -215,12 +215,12 @@ def test_aux_outputs_and_losses():
 
 
 DECODE_ROUTE_CASES = {  # (config kwargs, tokens): the models' router shapes at decode, and edges
-    "qwen3-like-T1": (dict(num_experts=128, top_k=8, hidden_size=2048), 1),
+    "qwen3-like-T1": (dict(num_experts=128, top_k=8, hidden_size=2048), 1),  # top k by rank: its longest row
     "qwen3-like-T16": (dict(num_experts=128, top_k=8, hidden_size=2048), 16),
     "mixtral-like-T3": (dict(num_experts=8, top_k=2, hidden_size=4096), 3),
     "deepseek-like-T2": (dict(num_experts=256, top_k=8, hidden_size=7168), 2),
-    "deepseek-like-T1": (dict(num_experts=256, top_k=8, hidden_size=7168), 1),  # top k by rank: its longest row
-    "qwen35-like-T1": (dict(num_experts=512, top_k=10, hidden_size=4096), 1),  # top k in warp rounds
+    "deepseek-like-T1": (dict(num_experts=256, top_k=8, hidden_size=7168), 1),  # the shortest row of the rounds
+    "qwen35-like-T1": (dict(num_experts=512, top_k=10, hidden_size=4096), 1),  # top k in rounds of warp reductions
     "qwen35-like-T8": (dict(num_experts=512, top_k=10, hidden_size=4096), 8),
     "small-H-k-equals-E": (dict(num_experts=16, top_k=16, hidden_size=136), 5),
     # Experts 2i and 2i + 1 share a router column: their logits are equal bitwise, every choice
