@@ -539,7 +539,8 @@ CHOICE_CASES = {"mixtral": (8, 2, 1, 1), "qwen3": (128, 8, 1, 1), "deepseek": (2
 @pytest.mark.parametrize("num_tokens", [1, 13, 4096])
 def test_gpu_choose_experts_is_lax_top_k(case, num_tokens):
     """The choice kernel's ids equal lax.top_k's (XLA's sorts on the same GPU) bit for bit, on
-    continuous choices and on choices of few distinct values (ties everywhere), and a routed
+    continuous choices and on choices of few distinct values (ties everywhere), and without groups
+    also on -0 beside +0 and NaN (lax.top_k's total order: +0 before -0, NaN first); a routed
     program at prefill size runs the kernel, not a sort."""
     num_experts, top_k, n_group, topk_group = CHOICE_CASES[case]
     config = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=16, max_tokens=num_tokens,
@@ -547,7 +548,11 @@ def test_gpu_choose_experts_is_lax_top_k(case, num_tokens):
     key = jax.random.key(num_experts + num_tokens)
     smooth = jax.random.uniform(key, (num_tokens, num_experts), F32)
     ties = jnp.round(smooth * 4) / 4  # five values: many equal choices and group scores
-    for choice in (smooth, ties):
+    choices = [smooth, ties]
+    if n_group == 1:  # (the group limit's scores compare as floats: -0 ties +0 there)
+        zeros = jnp.where(smooth < 0.5, jnp.where(smooth < 0.25, -0.0, 0.0), ties - 1.0)  # +-0 the best
+        choices.append(zeros.at[:, 3::11].set(jnp.nan))
+    for choice in choices:
         got = jax.jit(lambda c: routing.choose_experts(c, config))(choice)
         want = jax.jit(lambda c: routing.choose_experts_xla(c, config))(choice)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
