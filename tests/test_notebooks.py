@@ -104,6 +104,7 @@ def test_notebook_runs(path, kernel_env):
         assert "every buffer reused in place" in text
     if path.name == "hf_model.ipynb":
         assert text.count("max error relative to transformers") == 2 and "load-balancing loss" in text
+        assert "FP8 stack vs bf16 stack" in text and "FP8 with scales" in text
     if path.name == "scratch_sharing.ipynb":
         assert "flat in depth" in text and "per-layer scratches at L=32" in text
     if path.name == "performance.ipynb" and (NOTEBOOK_DIR / "results" / "bench_permute.json").exists():
