@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 #include "bench_timing.h"
@@ -65,6 +66,20 @@ const Case kCases[] = {
     {"deepseek_v3", 7168, 256, 8, true, true, true, 1e-20f, 2.5f, 8, 4},
     {"qwen35_397b", 4096, 512, 10, false, true, false, 0.0f, 1.0f, 1, 1},
     {"mixtral", 4096, 8, 2, false, true, false, 0.0f, 1.0f, 1, 1},
+};
+
+// FNV-1a over arrays of 32-bit values' bits, in order: equal across builds whose results are.
+struct Fnv1a {
+  uint64_t hash = 1469598103934665603ull;
+  template <class T>
+  void Add(const std::vector<T>& values) {
+    static_assert(sizeof(T) == sizeof(uint32_t), "32-bit values");
+    for (const T& value : values) {
+      uint32_t word;
+      std::memcpy(&word, &value, sizeof(word));
+      hash = (hash ^ word) * 1099511628211ull;
+    }
+  }
 };
 
 // Deterministic values in [-1, 1) (a 32-bit LCG), scaled.
@@ -192,19 +207,18 @@ void Run(const Case& c, int64_t tokens, uint8_t* evict, size_t evict_bytes, cuda
       for (int64_t m = 0; m < j; ++m) ok = ok && host_ids[tk * c.top_k + m] != id;
     }
 
-  // FNV-1a of the ids', weights' and logits' bits: equal across builds that route the same.
+  // The ids', weights' and logits' bits hashed: equal across builds that route the same.
   std::vector<float> host_weights(tokens * c.top_k), host_logits(tokens * c.experts);
   CK(cudaMemcpy(host_weights.data(), weights, host_weights.size() * sizeof(float), cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(host_logits.data(), logits, host_logits.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  uint64_t hash = 1469598103934665603ull;
-  auto mix = [&](uint32_t word) { hash = (hash ^ word) * 1099511628211ull; };
-  for (int32_t id : host_ids) mix(static_cast<uint32_t>(id));
-  for (float v : host_weights) mix(*reinterpret_cast<uint32_t*>(&v));
-  for (float v : host_logits) mix(*reinterpret_cast<uint32_t*>(&v));
+  Fnv1a results;
+  results.Add(host_ids);
+  results.Add(host_weights);
+  results.Add(host_logits);
   printf("%-12s T=%ld  %ld blocks  warm %6.2f us  cold %6.2f us  code cold too %6.2f us (medians of %d)  %s  fnv %016llx\n",
          c.name, static_cast<long>(tokens), static_cast<long>(blocks), warm_us, cold_ms[kCold / 2] * 1000.0,
          code_cold_ms[kCold / 2] * 1000.0, kCold, ok ? "ids ok" : "BAD IDS OR COUNTER",
-         static_cast<unsigned long long>(hash));
+         static_cast<unsigned long long>(results.hash));
   printf("    code cold, from the first block's start, ns: products reduced %.0f (a block's mean), counted in %.0f (median) "
          "%.0f (last), the routing block's arrival %.0f\n", block_work_ns / kCold, counted_in_median_ns / kCold,
          counted_in_max_ns / kCold, last_arrival_ns / kCold);
@@ -233,10 +247,10 @@ void RunChoose(const Case& c, cudaStream_t stream) {
   const double us = jax_moe::GraphMicroseconds(stream, 20, 21, [&] { CK(jax_moe::LaunchChooseExperts(a, stream)); });
   std::vector<int32_t> host(kTokens * c.top_k);
   CK(cudaMemcpy(host.data(), ids, host.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-  uint64_t hash = 1469598103934665603ull;  // FNV-1a of the ids: the same in every build
-  for (int32_t id : host) hash = (hash ^ static_cast<uint32_t>(id)) * 1099511628211ull;
+  Fnv1a chosen;  // the ids' hash: the same in every build
+  chosen.Add(host);
   printf("%-12s choose experts T=%ld warm %7.2f us  ids fnv %016llx\n", c.name, static_cast<long>(kTokens), us,
-         static_cast<unsigned long long>(hash));
+         static_cast<unsigned long long>(chosen.hash));
   CK(cudaFree(choice));
   CK(cudaFree(ids));
 }
