@@ -349,9 +349,9 @@ def test_gpu_stack_runs_the_shared_expert_on_decode_launches_of_its_own(monkeypa
     x = jax.random.normal(jax.random.key(1), (num_tokens, 256)).astype(BF16)
 
     def run():
-        step = jax.jit(lambda p, x, s: moe_stack(p, x, s)[0])
-        program = step.lower(params, x, init_scratch(config)).compile().as_text()
-        return np.asarray(step(params, x, init_scratch(config)), np.float32), program.count(
+        # One compile: the program's text and its output from the same executable.
+        step = jax.jit(lambda p, x, s: moe_stack(p, x, s)[0]).lower(params, x, init_scratch(config)).compile()
+        return np.asarray(step(params, x, init_scratch(config)), np.float32), step.as_text().count(
             'custom_call_target="jax_moe_decode_matmul"')
 
     got, launches = run()

@@ -411,9 +411,9 @@ def test_gpu_decode_stack_normalizes_in_the_router_like_xla(monkeypatch):
     x = (jax.random.normal(jax.random.key(1), (num_tokens, 256)) * 2).astype(jnp.bfloat16)
 
     def run():
-        step = jax.jit(lambda p, x, s: moe_stack(p, x, s)[0])
-        return np.asarray(step(params, x, init_scratch(config)), F32), step.lower(
-            params, x, init_scratch(config)).compile().as_text()
+        # One compile: the output and the program's text from the same executable.
+        step = jax.jit(lambda p, x, s: moe_stack(p, x, s)[0]).lower(params, x, init_scratch(config)).compile()
+        return np.asarray(step(params, x, init_scratch(config)), F32), step.as_text()
 
     got, program = run()
     assert "jax_moe_decode_route_norm" in program
