@@ -195,12 +195,9 @@ __device__ __forceinline__ void BulkCopy(void* smem, const void* global, unsigne
                : "memory");
 }
 constexpr int kMaxBulkStages = 16;
-__global__ void __launch_bounds__(kThreads, 1) BulkRing(const uint8_t* src, int64_t n, int64_t k, int piece,
-                                                        int stages, int tiles_per_block, unsigned* sink, int rows = 16) {
-  extern __shared__ __align__(128) uint8_t ring[];
-  __shared__ __align__(8) uint64_t full[kMaxBulkStages], empty[kMaxBulkStages];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int stage_bytes = rows * piece;
+// A ring's barriers: `full` completes on its stage's copies (one arrival and the bytes), `empty` on
+// the 7 consumer warps' releases. Whole block.
+__device__ void InitRing(uint64_t* full, uint64_t* empty, int stages) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
       BarrierInit(&full[s], 1);
@@ -209,6 +206,28 @@ __global__ void __launch_bounds__(kThreads, 1) BulkRing(const uint8_t* src, int6
     asm volatile("fence.mbarrier_init.release.cluster;");
   }
   __syncthreads();
+}
+// Warps 1-7: wait for each of `items` stages of stage_bytes in turn, read a word of it and release it.
+__device__ void ConsumeRing(const uint8_t* ring, int stage_bytes, int64_t items, int stages, uint64_t* full,
+                            uint64_t* empty, unsigned* sink) {
+  const int lane = threadIdx.x & 31;
+  unsigned folded = 0;
+  for (int64_t item = 0; item < items; ++item) {
+    const int s = static_cast<int>(item % stages);
+    BarrierWait(&full[s], static_cast<unsigned>((item / stages) & 1));
+    folded ^= reinterpret_cast<const uint4*>(ring + s * stage_bytes)[(threadIdx.x - 32) % (stage_bytes / 16)].x;
+    __syncwarp();
+    if (lane == 0) BarrierArrive(&empty[s]);
+  }
+  Keep(folded, sink);
+}
+__global__ void __launch_bounds__(kThreads, 1) BulkRing(const uint8_t* src, int64_t n, int64_t k, int piece,
+                                                        int stages, int tiles_per_block, unsigned* sink, int rows = 16) {
+  extern __shared__ __align__(128) uint8_t ring[];
+  __shared__ __align__(8) uint64_t full[kMaxBulkStages], empty[kMaxBulkStages];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int stage_bytes = rows * piece;
+  InitRing(full, empty, stages);
   // A tile of `rows` rows: the block's tiles_per_block 16-row tiles as 16 / rows as many.
   const int64_t pieces_per_row = k / piece, per_tile16 = 16 / rows;
   const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * tiles_per_block * per_tile16;
@@ -227,34 +246,19 @@ __global__ void __launch_bounds__(kThreads, 1) BulkRing(const uint8_t* src, int6
       }
     }
   } else {
-    unsigned folded = 0;
-    for (int64_t item = 0; item < items; ++item) {
-      const int s = static_cast<int>(item % stages);
-      BarrierWait(&full[s], static_cast<unsigned>((item / stages) & 1));
-      folded ^= reinterpret_cast<const uint4*>(ring + s * stage_bytes)[(threadIdx.x - 32) % (stage_bytes / 16)].x;
-      __syncwarp();
-      if (lane == 0) BarrierArrive(&empty[s]);
-    }
-    Keep(folded, sink);
+    ConsumeRing(ring, stage_bytes, items, stages, full, empty, sink);
   }
 }
 
-// Contiguous bulk copies: one block an SM streams its contiguous share of the bytes as single
-// cp.async.bulk copies of `chunk` bytes (whole rows of the [N, K] matrix: no row pieces), through a
-// ring of `stages` chunks; warp 0's lane 0 copies, warps 1-7 wait, read a word and release.
+// Contiguous bulk copies: each block streams its contiguous share of the bytes as single
+// cp.async.bulk copies of `chunk` bytes (not row pieces), through a ring of `stages` chunks; warp
+// 0's lane 0 copies, warps 1-7 wait, read a word and release.
 __global__ void __launch_bounds__(kThreads, 1) BulkContiguous(const uint8_t* src, int64_t bytes, int chunk,
                                                               int stages, unsigned* sink) {
   extern __shared__ __align__(128) uint8_t ring[];
   __shared__ __align__(8) uint64_t full[kMaxBulkStages], empty[kMaxBulkStages];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      BarrierInit(&full[s], 1);
-      BarrierInit(&empty[s], kThreads / 32 - 1);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;");
-  }
-  __syncthreads();
+  InitRing(full, empty, stages);
   // Every byte read (ShareBytes), the block's last copy short.
   const int64_t per_block = ShareBytes(bytes), begin = blockIdx.x * per_block;
   const int64_t share = begin >= bytes ? 0 : (bytes - begin < per_block ? bytes - begin : per_block);
@@ -271,16 +275,34 @@ __global__ void __launch_bounds__(kThreads, 1) BulkContiguous(const uint8_t* src
         BulkCopy(ring + s * chunk, base + item * chunk, size, &full[s]);
       }
   } else {
-    unsigned folded = 0;
-    for (int64_t item = 0; item < items; ++item) {
-      const int s = static_cast<int>(item % stages);
-      BarrierWait(&full[s], static_cast<unsigned>((item / stages) & 1));
-      folded ^= reinterpret_cast<const uint4*>(ring + s * chunk)[(threadIdx.x - 32) % (chunk / 16)].x;
-      __syncwarp();
-      if (lane == 0) BarrierArrive(&empty[s]);
-    }
-    Keep(folded, sink);
+    ConsumeRing(ring, chunk, items, stages, full, empty, sink);
   }
+}
+
+// The GEMV schemes' arithmetic: 16 e4m3 bytes as float32, and their dot product with 16 float32
+// values of x held as x[0], x[32], x[64], x[96] (float4 each: conflict-free across a warp's lanes).
+__device__ __forceinline__ void DecodeE4m3x16(const uint4& v, float (&w)[16]) {
+  const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[q] & 0xffff), __NV_E4M3);
+    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[q] >> 16), __NV_E4M3);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+    w[4 * q] = a.x, w[4 * q + 1] = a.y, w[4 * q + 2] = b.x, w[4 * q + 3] = b.y;
+  }
+}
+__device__ __forceinline__ float Dot16(const float (&w)[16], const float4* x) {
+  float part = 0.0f;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float4 xv = x[q * 32];
+    part = fmaf(w[4 * q], xv.x, part);
+    part = fmaf(w[4 * q + 1], xv.y, part);
+    part = fmaf(w[4 * q + 2], xv.z, part);
+    part = fmaf(w[4 * q + 3], xv.w, part);
+  }
+  return part;
 }
 
 // Whole rows per warp: warp w streams its own rows of the [N, K] matrix, 512 contiguous bytes an
@@ -313,30 +335,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) RowGemv(const uint8_t*
           folded ^= v[d].x ^ v[d].w;
         } else {
           if (c + d >= chunks) break;
-          const unsigned words[4] = {v[d].x, v[d].y, v[d].z, v[d].w};
           float w[16];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[q] & 0xffff), __NV_E4M3);
-            const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[q] >> 16), __NV_E4M3);
-            const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
-            const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-            w[4 * q] = a.x, w[4 * q + 1] = a.y, w[4 * q + 2] = b.x, w[4 * q + 3] = b.y;
-          }
+          DecodeE4m3x16(v[d], w);
           const float scale = 1.0f + ((c + d) & 3) * 0.25f;  // a block scale per 128 bytes of K
 #pragma unroll
           for (int t = 0; t < kTokens; ++t) {
             const float4* x = reinterpret_cast<const float4*>(xs + (static_cast<int64_t>(t) * chunks + c + d) * 512) + lane;
-            float part = 0.0f;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const float4 xv = x[q * 32];
-              part = fmaf(w[4 * q], xv.x, part);
-              part = fmaf(w[4 * q + 1], xv.y, part);
-              part = fmaf(w[4 * q + 2], xv.z, part);
-              part = fmaf(w[4 * q + 3], xv.w, part);
-            }
-            acc[t] = fmaf(part, scale, acc[t]);
+            acc[t] = fmaf(Dot16(w, x), scale, acc[t]);
           }
         }
       }
@@ -389,31 +394,14 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) TileSweep(const uint8_
           if (step + d >= steps) break;
           const int offset = (step + d) * 4096 + threadIdx.x * 16;
           const int row = offset / static_cast<int>(k), col = offset - row * static_cast<int>(k);
-          const unsigned words[4] = {v[d].x, v[d].y, v[d].z, v[d].w};
           float w[16];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[q] & 0xffff), __NV_E4M3);
-            const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[q] >> 16), __NV_E4M3);
-            const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
-            const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-            w[4 * q] = a.x, w[4 * q + 1] = a.y, w[4 * q + 2] = b.x, w[4 * q + 3] = b.y;
-          }
+          DecodeE4m3x16(v[d], w);
           const float scale = 1.0f + ((col >> 7) & 3) * 0.25f;
           const int piece = col / 16;
 #pragma unroll
           for (int t = 0; t < kTokens; ++t) {
             const float4* x = reinterpret_cast<const float4*>(xs + t * k) + (piece / 32 * 4) * 32 + piece % 32;
-            float part = 0.0f;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const float4 xv = x[q * 32];
-              part = fmaf(w[4 * q], xv.x, part);
-              part = fmaf(w[4 * q + 1], xv.y, part);
-              part = fmaf(w[4 * q + 2], xv.z, part);
-              part = fmaf(w[4 * q + 3], xv.w, part);
-            }
-            part *= scale;
+            float part = Dot16(w, x) * scale;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
             if (lane == 0) sums[(t * 16 + row) * chunks + col / 512] = part;
