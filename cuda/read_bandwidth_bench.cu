@@ -520,7 +520,7 @@ int main() {
     });
   }
   const int max_smem = 200 * 1024;
-  // Whole rows a warp, 1, 2 and 4 blocks an SM; without and with the dot products of 1 and 2 tokens.
+  // Whole rows a warp, 1 to 4 blocks an SM; without and with the dot products of 1 and 2 tokens.
   {
     auto row_gemv = [&](const char* what, auto kernel, int per_sm, int tokens) {
       const int smem = tokens * static_cast<int>(k) * 4;
@@ -540,7 +540,7 @@ int main() {
     row_gemv("2 in flight, T = 2", RowGemv<2, 2, 3>, 3, 2);
     row_gemv("4 in flight, T = 2", RowGemv<4, 2, 3>, 3, 2);
   }
-  // Tiles swept in address order, 1, 2 and 4 blocks an SM; without and with the dot products.
+  // Tiles swept in address order, 1 to 4 blocks an SM; without and with the dot products.
   {
     auto sweep = [&](const char* what, auto kernel, int per_sm, int tokens) {
       const int smem = tokens * static_cast<int>(k) * 4 + tokens * 16 * static_cast<int>(k / 512) * 4;
