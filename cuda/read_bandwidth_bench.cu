@@ -485,20 +485,17 @@ int main() {
     TileLines<4><<<tile_grid, kThreads>>>(w, n, k, tiles_per_block, sink);
   });
   // The same with 2 and 4 blocks an SM (16 and 32 warps issuing loads).
-  for (int per_sm : {2, 4}) {
-    const int per_block = static_cast<int>((tiles + per_sm * sms - 1) / (per_sm * sms));
+  using TileKernel = void (*)(const uint8_t*, int64_t, int64_t, int, unsigned*);
+  const struct {
+    int depth, per_sm;
+    TileKernel kernel;
+  } tile_lines[] = {{1, 2, TileLines<1, 2>}, {2, 2, TileLines<2, 2>}, {4, 2, TileLines<4, 2>},
+                    {1, 4, TileLines<1, 4>}, {2, 4, TileLines<2, 4>}, {4, 4, TileLines<4, 4>}};
+  for (const auto& v : tile_lines) {
+    const int per_block = static_cast<int>((tiles + v.per_sm * sms - 1) / (v.per_sm * sms));
     const unsigned grid = static_cast<unsigned>((tiles + per_block - 1) / per_block);
-    for (int depth : {1, 2, 4}) {
-      snprintf(name, sizeof(name), "tiles as whole lines, %d in flight, %d blocks an SM", depth, per_sm);
-      report(name, [&](uint8_t* w) {
-        if (per_sm == 2 && depth == 1) TileLines<1, 2><<<grid, kThreads>>>(w, n, k, per_block, sink);
-        if (per_sm == 2 && depth == 2) TileLines<2, 2><<<grid, kThreads>>>(w, n, k, per_block, sink);
-        if (per_sm == 2 && depth == 4) TileLines<4, 2><<<grid, kThreads>>>(w, n, k, per_block, sink);
-        if (per_sm == 4 && depth == 1) TileLines<1, 4><<<grid, kThreads>>>(w, n, k, per_block, sink);
-        if (per_sm == 4 && depth == 2) TileLines<2, 4><<<grid, kThreads>>>(w, n, k, per_block, sink);
-        if (per_sm == 4 && depth == 4) TileLines<4, 4><<<grid, kThreads>>>(w, n, k, per_block, sink);
-      });
-    }
+    snprintf(name, sizeof(name), "tiles as whole lines, %d in flight, %d blocks an SM", v.depth, v.per_sm);
+    report(name, [&](uint8_t* w) { v.kernel<<<grid, kThreads>>>(w, n, k, per_block, sink); });
   }
   {
     const int64_t pairs = n / 32;
