@@ -1,5 +1,5 @@
 // What the standalone kernel benchmarks (kernel_bench.cu, weight_grad_bench.cu, tile_bench.cu,
-// read_bandwidth_bench.cu, route_phase_bench.cu, launch_floor_bench.cu) share: a CUDA-status check
+// read_bandwidth_bench.cu, launch_floor_bench.cu) share: a CUDA-status check
 // that exits, and device time per launch from a CUDA graph.
 #ifndef JAX_MOE_BENCH_TIMING_H_
 #define JAX_MOE_BENCH_TIMING_H_

@@ -51,18 +51,15 @@ __device__ __forceinline__ uint4 LoadStreamingBytes(const uint8_t* p) {
   return v;
 }
 
-// An L2 policy for weights a kernel reads once: evict-first (their lines leave L2 before any
-// other's), or, with evict_first false, the lines' priority unchanged (a plain load's).
-__device__ __forceinline__ uint64_t StreamPolicy(bool evict_first) {
+// An L2 policy for weights a kernel reads once: evict-first, so their lines leave L2 before what the
+// small launches around a decode layer read again (tokens, permuted rows, the scratch's offsets).
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
   uint64_t policy;
-  if (evict_first)
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  else
-    asm volatile("createpolicy.fractional.L2::evict_unchanged.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
 
-// LoadStreaming and LoadStreamingBytes under an L2 policy (StreamPolicy).
+// LoadStreaming and LoadStreamingBytes under an L2 policy (EvictFirstPolicy).
 __device__ __forceinline__ uint4 LoadStreaming(const __nv_bfloat16* p, uint64_t policy) {
   uint4 v;
   asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"

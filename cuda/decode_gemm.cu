@@ -9,8 +9,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "bf16_vector.cuh"
 #include "decode_gemm.h"
@@ -29,22 +27,6 @@ constexpr int kInFlight = 2;
 using Bf16 = __nv_bfloat16;
 
 __device__ __forceinline__ int Clamp(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
-
-// Whether the decode kernels read their weights under an evict-first L2 policy. A layer at decode
-// streams hundreds of MB of weights, each line once; under the default policy they push out of L2
-// what the small launches between them read again (the tokens, the permuted rows, the scratch's
-// offsets, the down projection's output), which then come from HBM at each launch's start. On an
-// H100, DeepSeek-V3's FP8 layer at T = 1 took 190 us with plain loads and 182 with evict-first, 5.3
-// of the 8.6 us in permute and unpermute; Qwen3-30B's bf16 layer 57.1 and 50.9
-// (notebooks/results/decode_evict_first_h100.md).
-// JAX_MOE_DECODE_EVICT_FIRST=0 reads them plainly (a knob for measuring; read once).
-bool DecodeEvictFirst() {
-  static const bool on = [] {
-    const char* value = std::getenv("JAX_MOE_DECODE_EVICT_FIRST");
-    return value == nullptr || std::atoi(value) != 0;
-  }();
-  return on;
-}
 
 struct Group {
   int index;  // -1: fewer experts than the slot own rows
@@ -169,7 +151,7 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   const int64_t k_chunk = kSplit > 1 ? (k / kStepRows + kSplit - 1) / kSplit * kStepRows : k;
   const int64_t k_begin = split * k_chunk;
   const int64_t k_end = k_begin + k_chunk < k ? k_begin + k_chunk : k;
-  const uint64_t policy = StreamPolicy(p.evict_first);
+  const uint64_t policy = EvictFirstPolicy();
 
   for (int first_row = group.start; first_row < group.end; first_row += kRowsPerPass) {
     const int rows_now = min(kRowsPerPass, group.end - first_row);
@@ -398,20 +380,15 @@ constexpr int kFp8Block = 128;
 constexpr int kFp8TileBytes = kFp8TileRows * kFp8Block;  // one tile's K block: 2 KB
 constexpr int kFp8RowPad = 64;  // bytes after each staged row: a quarter warp's 16-byte reads (rows g, g + 1) miss each other's banks
 constexpr int kStageLoads = 2;  // row loads per thread in flight while staging
-// Slots a warp's ring holds: 2 by default. Deeper rings measured slower on the H200, with one
-// block an SM (4 slots: DeepSeek-V3's shared expert at T = 1 24.8 vs 23.8 us, Qwen3-30B's experts
-// at T = 16 194 vs 140 us) and with the same blocks an SM too (3-4 slots where two blocks still
-// fit: every case 1-7 % slower, notebooks/results/fp8_decode_ring_h200.md).
-// JAX_MOE_FP8_DECODE_STAGES up to kFp8MaxStages, for measuring the ring.
-constexpr int kFp8DefaultStages = 2;
-constexpr int kFp8MaxStages = 4;
+// Slots a warp's ring holds: deeper rings measured slower on the H200, at one block an SM and at two.
+constexpr int kFp8RingStages = 2;
 constexpr int64_t kSmemBytes = 227 * 1024;  // an H100/H200 block's shared memory
 
 __device__ __forceinline__ void CpAsync16(void* smem, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
                :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))), "l"(global));
 }
-// CpAsync16 under an L2 policy (StreamPolicy).
+// CpAsync16 under an L2 policy (EvictFirstPolicy).
 __device__ __forceinline__ void CpAsync16(void* smem, const void* global, uint64_t policy) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
                :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))), "l"(global), "l"(policy));
@@ -468,7 +445,6 @@ struct Fp8DecodeGemmArgs {
   // blocks_per_slot blocks a slot of runs_per_block runs each (no block meets two slots).
   int64_t num_slots, runs_per_slot, units_per_cta, blocks_per_slot;
   int64_t ring_offset;      // bytes of dynamic shared memory before the warps' rings: the staged rows'
-  bool evict_first = false; // the weights read under an evict-first L2 policy (DecodeEvictFirst)
 
   // Optional (shared_weights non-null): a shared expert's product as one more slot whose group is
   // every row of shared_rows, with its own sizes (N, K) and tiling.
@@ -624,7 +600,6 @@ struct Fp8Segment {
   int64_t k, n;
   int units_per_block, pass_rows, group_rows;
   int first_run, runs;
-  bool evict_first;
 };
 
 // A segment through the rings: each warp streams its tiles' K blocks through its own ring of
@@ -669,7 +644,7 @@ __device__ __noinline__ void Fp8RingSegment(const Fp8Segment& s, uint8_t* staged
   // per item sat between a slot landing and the next copy going out, and the ring is only as deep
   // as that gap lets it be.
   int issue_tile = first_tile, issue_i = 0, issue_slot = 0;
-  const uint64_t policy = StreamPolicy(s.evict_first);  // (DecodeEvictFirst)
+  const uint64_t policy = EvictFirstPolicy();
   auto issue_next = [&]() {
     const int kb = block_begin + issue_i;
     if (issue_tile < last_tile) {
@@ -689,11 +664,7 @@ __device__ __noinline__ void Fp8RingSegment(const Fp8Segment& s, uint8_t* staged
     if (++issue_i == count) issue_i = 0, issue_tile += tile_step;
     if (++issue_slot == stages) issue_slot = 0;
   };
-  auto wait = [&]() {  // until the oldest of the `stages` groups in flight has landed
-    if (stages >= 4) CpAsyncWait<3>();
-    else if (stages == 3) CpAsyncWait<2>();
-    else CpAsyncWait<1>();
-  };
+  auto wait = [&]() { CpAsyncWait<kFp8RingStages - 1>(); };  // until the oldest group in flight has landed
 
   for (int first = 0; first < s.group_rows; first += pass_rows) {
     const int rows_now = min(pass_rows, s.group_rows - first);
@@ -827,7 +798,7 @@ __device__ __forceinline__ void Fp8StreamSegment(const Fp8Segment& s, uint8_t* s
     }
   };
   const int last_tile = min(tiles32, first_tile + runs * tile_step);  // past this block's runs
-  const uint64_t policy = StreamPolicy(s.evict_first);  // (DecodeEvictFirst)
+  const uint64_t policy = EvictFirstPolicy();
   auto load = [&](const Cursor& c, Fp8Fragments<kTiles>& f) {
     if (c.tile >= last_tile || c.i >= own32) return;
 #pragma unroll
@@ -924,7 +895,6 @@ __global__ void __launch_bounds__(kThreads, kDepth == 0 ? 2 : 1) Fp8DecodeKernel
       s.units_per_block = p.shared_units_per_block, s.pass_rows = p.shared_pass_rows;
       s.group_rows = static_cast<int>(p.shared_count);
     }
-    s.evict_first = p.evict_first;  // routed or shared, the launch's policy
     if constexpr (kDepth == 0)
       Fp8RingSegment<kGated, kSlices>(s, staged, AlignSlots(staged + p.ring_offset), p.stages, partial);
     else
@@ -961,43 +931,18 @@ template <bool kGated>
 int64_t Fp8DecodeSmem(int64_t staging, int stages) {
   return staging + kFp8SlotAlign + kWarps * stages * Fp8SlotBytes(kGated ? 2 : 1);
 }
-// The deepest ring (up to the cap, at least 2) that fits beside the staged rows, or 0. The cap is
-// kFp8DefaultStages, or JAX_MOE_FP8_DECODE_STAGES (2 to 4: a knob for measuring the ring), read once.
-int Fp8StagesCap() {
-  static const int cap = [] {
-    const char* value = std::getenv("JAX_MOE_FP8_DECODE_STAGES");
-    const int v = value ? std::atoi(value) : kFp8DefaultStages;
-    return v >= 2 && v <= kFp8MaxStages ? v : kFp8DefaultStages;
-  }();
-  return cap;
-}
-
+// The ring's slots (kFp8RingStages) when they fit beside the staged rows, else 0.
 template <bool kGated, int kSlices>
 int Fp8Stages(int64_t staging) {
-  for (int stages = Fp8StagesCap(); stages >= 2; --stages)
-    if (Fp8DecodeSmem<kGated>(staging, stages) + sizeof(Fp8Partial<kGated, kSlices>) + 1024 <= kSmemBytes)
-      return stages;
+  if (Fp8DecodeSmem<kGated>(staging, kFp8RingStages) + sizeof(Fp8Partial<kGated, kSlices>) + 1024 <= kSmemBytes)
+    return kFp8RingStages;
   return 0;
 }
 
-// Which way a launch's weights travel. Routed experts alone: the ring (Fp8RingSegment). With a
-// shared product riding: the registers (Fp8StreamSegment), whose one block an SM keeps the flat
-// schedule's ranges long. Measured on the H200 (notebooks/results/fp8_decode_ring_h200.md): kernel
-// us per call of routed experts alone, ring vs stream, Qwen3-30B T = 1 21.9 vs 24.6, Mixtral T = 1
-// 107.0 vs 112.5; the layer with DeepSeek-V3's shared expert riding at T = 1, 149 us a layer on the
-// stream kernel vs 161 on the ring. With the ring's slots aligned (fp8_decode_aligned_h200.md), the
-// riding layer at T = 1 took 151 us on the stream vs 154 on the ring for DeepSeek-V3, and 88.7 vs 83.4
-// for Qwen3.5-397B: no clear winner, so riding stays on the stream. JAX_MOE_FP8_DECODE_KERNEL=ring or
-// =stream takes that one for every launch, for measuring one against the other (the same bits). Read
-// once.
-bool Fp8UsesRing(const Fp8DecodeGemmArgs& args) {
-  static const int forced = [] {  // 1 ring, 2 stream, 0 neither
-    const char* value = std::getenv("JAX_MOE_FP8_DECODE_KERNEL");
-    if (value == nullptr) return 0;
-    return std::string(value) == "ring" ? 1 : std::string(value) == "stream" ? 2 : 0;
-  }();
-  return forced != 0 ? forced == 1 : args.shared_weights == nullptr;
-}
+// Which way a launch's weights travel: routed experts alone through the rings (Fp8RingSegment,
+// faster there); with a shared product riding through the registers (Fp8StreamSegment), whose one
+// block an SM keeps the flat schedule's ranges long. Both give the same bits.
+bool Fp8UsesRing(const Fp8DecodeGemmArgs& args) { return args.shared_weights == nullptr; }
 
 // Bytes of staged rows of a launch: its products' most.
 int64_t Fp8LaunchStaging(const Fp8DecodeGemmArgs& args, int pass_rows, int shared_pass_rows) {
@@ -1028,7 +973,6 @@ cudaError_t LaunchFp8Decode(Fp8DecodeGemmArgs args, int pass_rows, cudaStream_t 
   args.ring_offset = staging;
   args.stages = ring ? Fp8Stages<kGated, kSlices>(staging) : 0;
   const size_t smem = static_cast<size_t>(ring ? Fp8DecodeSmem<kGated>(staging, args.stages) : staging);
-  args.evict_first = DecodeEvictFirst();
   // Registers hold the stream kernel's loads in flight: one block an SM of up to 255 a thread.
   auto kernel = ring ? Fp8DecodeKernel<kGated, kSlices, 0> : Fp8DecodeKernel<kGated, kSlices, kGated ? 2 : 4>;
   // Past 48 KB of shared memory, static `partial` included, the dynamic part needs the opt-in.
@@ -1082,7 +1026,6 @@ cudaError_t LaunchFp8DecodeRows(const Fp8DecodeGemmArgs& args, int rows_per_pass
 
 cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& given, cudaStream_t stream) {
   DecodeGemmArgs args = given;
-  args.evict_first = DecodeEvictFirst();
   if (args.k % 8 != 0 || args.n % (args.gated ? 16 : 8) != 0 || args.num_groups < 1 ||
       args.num_groups > 65534 || args.out_rows < 0 || args.out_rows > (int64_t{1} << 30))
     return cudaErrorInvalidValue;

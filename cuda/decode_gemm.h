@@ -36,7 +36,6 @@ struct DecodeGemmArgs {
   const void* shared_weights = nullptr;  // [shared_k, shared_n] bf16
   void* shared_out = nullptr;            // [shared_rows, gated ? shared_n / 2 : shared_n] bf16
   int64_t shared_rows = 0, shared_k = 0, shared_n = 0;
-  bool evict_first = false;              // LaunchDecodeGemm sets it (DecodeEvictFirst); a caller's is ignored
 };
 
 cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream);

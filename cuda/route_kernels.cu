@@ -11,7 +11,6 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 
 #include "bf16_vector.cuh"
 #include "route_kernels.h"
@@ -39,17 +38,8 @@ constexpr int kMaxSlices = 8;                     // slices of H: the last block
 constexpr int kPairsAtOnce = 4;                   // pairs whose sums a thread loads at once
 // The top k by rank (each thread ranks its pairs against their token's row) while a thread has at
 // most this many compares, else a warp per token in k rounds of warp reductions (WarpTopK).
-// Router launch in the layer, CUPTI, on an H100 (notebooks/results/router_warp_reductions_h100.md):
-// rank -> rounds, DeepSeek-V3 T = 1 (256 compares) 12.8 -> 11.4 us, but Qwen3-30B T = 1 (128)
-// 6.8 -> 7.2. JAX_MOE_ROUTER_RANK_COMPARES sets the limit (0: always the rounds), to measure one
-// against the other.
+// (Rounds won only for the longer rows: DeepSeek-V3's 256 compares at T = 1, not Qwen3-30B's 128.)
 constexpr int kRankMaxCompares = 128;
-
-// Phase marks for cuda/route_phase_bench.cu, which defines the macro before including this file to
-// time each phase of the kernel; nothing in the module's build.
-#ifndef JAX_MOE_ROUTE_MARK
-#define JAX_MOE_ROUTE_MARK(phase)
-#endif
 
 __device__ __forceinline__ float WarpMax(float v) {
   for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(~0u, v, d));
@@ -201,7 +191,7 @@ struct RouteShared {
 };
 
 // The last block: sum the slices, score, choose and weigh every token's experts.
-__device__ void Route(const DecodeRouteArgs& a, int slices, int rank_max_compares, RouteShared& s) {
+__device__ void Route(const DecodeRouteArgs& a, int slices, RouteShared& s) {
   const int num_tokens = static_cast<int>(a.num_tokens), num_experts = static_cast<int>(a.num_experts);
   const int top_k = static_cast<int>(a.top_k), pairs = num_tokens * num_experts;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -233,7 +223,6 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, int rank_max_compare
   }
   if (threadIdx.x == 0) *a.counter = 0;  // for the next call (stream order publishes it)
   __syncthreads();
-  JAX_MOE_ROUTE_MARK(3);  // the slices summed
 
   if (a.sigmoid) {
     for (int i = threadIdx.x; i < pairs; i += kThreads) scores[i] = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-scores[i])));
@@ -256,7 +245,6 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, int rank_max_compare
   for (int i = threadIdx.x; i < pairs; i += kThreads)
     choice[i] = a.bias != nullptr ? __fadd_rn(scores[i], a.bias[i % num_experts]) : scores[i];
   __syncthreads();
-  JAX_MOE_ROUTE_MARK(4);  // scores and choices
 
   if (a.n_group > 1) {
     const int n_group = static_cast<int>(a.n_group), group_size = num_experts / n_group;
@@ -284,9 +272,8 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, int rank_max_compare
     __syncthreads();
   }
 
-  JAX_MOE_ROUTE_MARK(5);  // the group limit
   const int pairs_per_thread = (pairs + kThreads - 1) / kThreads;
-  if (pairs_per_thread * num_experts <= rank_max_compares) {
+  if (pairs_per_thread * num_experts <= kRankMaxCompares) {
     // The top k by rank: a pair's rank in its token's row is how many choices come before it;
     // ranks below k name the chosen experts in order. Every thread reads the whole row (E compares
     // a pair, 16-byte broadcast loads): no rounds, no shuffles, one barrier.
@@ -324,7 +311,6 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, int rank_max_compare
     }
   }
   __syncthreads();
-  JAX_MOE_ROUTE_MARK(6);  // the top k
   for (int i = threadIdx.x; i < num_tokens * top_k; i += kThreads) {
     const int t = i / top_k, j = i % top_k;
     float weight = s.route.chosen_score[t][j];
@@ -337,7 +323,6 @@ __device__ void Route(const DecodeRouteArgs& a, int slices, int rank_max_compare
     a.topk_weights[i] = weight;
     a.topk_ids[i] = s.route.chosen_id[t][j];
   }
-  JAX_MOE_ROUTE_MARK(7);  // the weights written
 }
 
 // rms_norm's scale of each of the block's token rows, 1 / sqrt(mean(x * x) + eps), into inv_rms:
@@ -388,10 +373,8 @@ __device__ void RowInvRms(const Bf16* x, int tokens, int64_t hidden, float eps, 
 }
 
 template <int kTokens>
-__global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a, int64_t slice_rows,
-                                                              int rank_max_compares) {
+__global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a, int64_t slice_rows) {
   __shared__ RouteShared s;
-  JAX_MOE_ROUTE_MARK(0);  // the block starts
   const int64_t hidden = a.hidden, num_experts = a.num_experts;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int vec = lane % kLanesPerRow, lane_k = lane / kLanesPerRow;
@@ -479,7 +462,6 @@ __global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a,
       for (int c = 0; c < 8; ++c) s.warp_parts[warp][t][vec * 8 + c] = acc[t][c];
   }
   __syncthreads();
-  JAX_MOE_ROUTE_MARK(1);  // the block's products reduced to its warps' parts
   for (int i = threadIdx.x; i < tokens * kTileExperts; i += kThreads) {
     const int t = i / kTileExperts, j = i % kTileExperts;
     const int64_t e = static_cast<int64_t>(blockIdx.x) * kTileExperts + j;
@@ -498,18 +480,9 @@ __global__ void __launch_bounds__(kThreads) DecodeRouteKernel(DecodeRouteArgs a,
     s.is_last = atomicAdd(a.counter, 1) == blocks - 1;
   }
   __syncthreads();
-  JAX_MOE_ROUTE_MARK(2);  // the block's sums published and counted in
   if (!s.is_last) return;
   __threadfence();
-  Route(a, static_cast<int>(gridDim.y), rank_max_compares, s);
-}
-
-int RankMaxCompares() {
-  static const int compares = [] {
-    const char* value = std::getenv("JAX_MOE_ROUTER_RANK_COMPARES");
-    return value != nullptr ? std::atoi(value) : kRankMaxCompares;
-  }();
-  return compares;
+  Route(a, static_cast<int>(gridDim.y), s);
 }
 
 }  // namespace
@@ -541,15 +514,14 @@ cudaError_t LaunchDecodeRoute(const DecodeRouteArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(slices),
                   static_cast<unsigned>((a.num_tokens + kGroupTokens - 1) / kGroupTokens));
   const int64_t tokens = std::min<int64_t>(a.num_tokens, kGroupTokens);
-  const int compares = RankMaxCompares();
   if (tokens == 1) {
-    DecodeRouteKernel<1><<<grid, kThreads, 0, stream>>>(a, slice_rows, compares);
+    DecodeRouteKernel<1><<<grid, kThreads, 0, stream>>>(a, slice_rows);
   } else if (tokens == 2) {
-    DecodeRouteKernel<2><<<grid, kThreads, 0, stream>>>(a, slice_rows, compares);
+    DecodeRouteKernel<2><<<grid, kThreads, 0, stream>>>(a, slice_rows);
   } else if (tokens <= 4) {
-    DecodeRouteKernel<4><<<grid, kThreads, 0, stream>>>(a, slice_rows, compares);
+    DecodeRouteKernel<4><<<grid, kThreads, 0, stream>>>(a, slice_rows);
   } else {
-    DecodeRouteKernel<8><<<grid, kThreads, 0, stream>>>(a, slice_rows, compares);
+    DecodeRouteKernel<8><<<grid, kThreads, 0, stream>>>(a, slice_rows);
   }
   return cudaGetLastError();
 }
