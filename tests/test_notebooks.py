@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import sys
 import time
 
@@ -102,6 +103,9 @@ def test_notebook_runs(path, kernel_env):
         assert images(notebook) >= 1, "expected the notebook to draw its figures"
     if path.name == "quickstart.ipynb":
         assert "every buffer reused in place" in text
+        assert "scratch reused in place through training: True" in text
+        first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+) in", text).groups())
+        assert last < first
     if path.name == "hf_model.ipynb":
         assert text.count("max error relative to transformers") == 2 and "load-balancing loss" in text
         assert "FP8 stack vs bf16 stack" in text and "FP8 with scales" in text
