@@ -487,23 +487,3 @@ def test_cli_selection():
     for bad in (["--models", "gpt5"], ["--layers", "3", "3"]):
         with pytest.raises(SystemExit):
             cli.parse_args(bad)
-
-
-def test_fp8_decode_probe_reports_both_paths_per_case(tmp_path, monkeypatch):
-    """The per-call FP8 probe on a 128-wide model (CPU: both paths fall back to the dequantised
-    math, so no kernel times, but every path runs and is reported) and its case parsing."""
-    from jax_moe.bench import fp8_decode_probe, models
-    small = dataclasses.replace(TINY, name="tiny128", hidden_size=128, ffn_size=128)
-    monkeypatch.setitem(models.MODELS, "tiny128", small)
-    assert fp8_decode_probe.parse_cases("tiny128:2,ds_shared:4") == [("tiny128", 2), ("ds_shared", 4)]
-    with pytest.raises(ValueError, match="--cases: expected MODEL:T"):
-        fp8_decode_probe.parse_cases("nope:1")
-    out = fp8_decode_probe.main(["--out", str(tmp_path / "probe.json"), "--cases", "tiny128:8", "--experts", "4"])
-    row = out["tiny128 T8"]
-    assert row["experts"] == 4 and row["rows"] == 16 and row["pick"] in (0, 8)
-    for path in ("cutlass", "decode8", "decode16"):  # 4 rows an expert: 16 rows a pass measured too
-        assert isinstance(row[path], list), row[path]
-    assert row["group_rows"] == 8 and "decode8_bound" not in row  # (8 rows staged either way)
-    out = fp8_decode_probe.main(["--out", str(tmp_path / "probe.json"), "--cases", "tiny128:2", "--experts", "4"])
-    assert isinstance(out["tiny128 T2"]["decode8_bound"], list)  # 2 rows staged a pass
-    assert json.loads((tmp_path / "probe.json").read_text()) == out

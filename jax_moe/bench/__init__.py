@@ -19,12 +19,7 @@ Suite ``gemm`` (issue 8): the expert GEMMs on ``grouped_matmul`` against ``ragge
 
 Suite ``train`` (issue 13; not in ``all``): one jitted training step (value_and_grad, all gradients
 as outputs) of ``moe_stack`` against the pure-JAX stack and the PyTorch + Hugging Face peer, run
-in its own process before JAX takes the card (``train_suite``). ``train_profile`` prints a step's
-device time per kernel. ``fp8_tile_probe`` and ``fp8_decode_probe`` measure the FP8 kernel choices
-(``gemm.fp8_tile_rows``, ``gemm.fp8_decode_rows``) per call.
-
-``cpu_experts`` (``python -m jax_moe.bench.cpu_experts``, on a CPU) times ``moe_layer``'s default
-experts on ``gemm.grouped_dot``'s CPU kernel against XLA:CPU's ``ragged_dot``.
+in its own process before JAX takes the card (``train_suite``).
 
 Suite ``parallel`` (issues 6, 7; not in ``all``): the expert-parallel stack per layer on every
 device JAX sees, its share of time in all-to-all, and the single-device stack of the same problem
