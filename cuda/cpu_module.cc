@@ -1,27 +1,18 @@
-// Exposes the CPU handlers to Python as PyCapsules for jax.ffi.register_ffi_target.
+// The CPU module _jax_moe_cpu: every CPU handler family, the constants and the workspace's size.
 #include <pybind11/pybind11.h>
 
-#include "cpu_ops.h"
+#include "ffi_common.h"
+#include "module_common.h"
 
-namespace {
-pybind11::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
-  return pybind11::capsule(reinterpret_cast<void*>(handler));
-}
-}  // namespace
+namespace jax_moe {
+// Each family's handlers and their target names, defined in its file.
+FfiTargets PermuteCpuTargets();      // permute_cpu.cc
+FfiTargets GroupedGemmCpuTargets();  // grouped_gemm_cpu.cc
+FfiTargets UninitializedTargets();   // uninitialized_ffi.cc
+}  // namespace jax_moe
 
 PYBIND11_MODULE(_jax_moe_cpu, m) {
+  using namespace jax_moe;
   m.doc() = "jax_moe CPU FFI handlers";
-  m.def("registrations", [] {
-    pybind11::dict handlers;
-    handlers["jax_moe_permute"] = Capsule(JaxMoePermuteCpu);
-    handlers["jax_moe_unpermute"] = Capsule(JaxMoeUnpermuteCpu);
-    handlers["jax_moe_unpermute_grad"] = Capsule(JaxMoeUnpermuteGradCpu);
-    handlers["jax_moe_bench_noop"] = Capsule(JaxMoeNoopCpu);
-    handlers["jax_moe_bench_copy"] = Capsule(JaxMoeCopyCpu);
-    handlers["jax_moe_uninitialized"] = Capsule(JaxMoeUninitializedCpu);
-    handlers["jax_moe_grouped_dot"] = Capsule(JaxMoeGroupedDotCpu);
-    handlers["jax_moe_grouped_dot_weight_grad"] = Capsule(JaxMoeGroupedDotWeightGradCpu);
-    handlers["jax_moe_fp8_grouped_dot"] = Capsule(JaxMoeFp8GroupedDotCpu);
-    return handlers;
-  });
+  DefineModuleCommon(m, {PermuteCpuTargets, GroupedGemmCpuTargets, UninitializedTargets});
 }

@@ -1,6 +1,6 @@
 // The input gradient's medium tile configuration of the grouped GEMM, in its own file:
 // CUTLASS kernels compile slowly, and separate files compile in parallel.
-#include "grouped_gemm_impl.cuh"
+#include "grouped_gemm_cutlass.cuh"
 
 namespace jax_moe::gemm {
 

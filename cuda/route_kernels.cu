@@ -28,12 +28,12 @@ constexpr int kStepRows = 8;                      // rows of H a lane takes per 
 constexpr int kBlockRows = kWarps * (32 / kLanesPerRow) * kStepRows;  // rows of H per block step: 256
 constexpr int kGroupTokens = 8;                   // tokens per block (grid z)
 constexpr int kInFlight = 2;                      // steps whose router loads a lane issues at once
-constexpr int kMaxTokens = 16;
-constexpr int kMaxPairs = 4096;                   // T * E held in shared memory
-constexpr int kMaxTopK = 32;
-constexpr int kMaxExperts = 512;
+constexpr int kMaxTokens = static_cast<int>(kDecodeRouteMaxTokens);
+constexpr int kMaxPairs = static_cast<int>(kDecodeRouteMaxPairs);  // T * E held in shared memory
+constexpr int kMaxTopK = static_cast<int>(kDecodeRouteMaxTopK);
+constexpr int kMaxExperts = static_cast<int>(kDecodeRouteMaxExperts);
 constexpr int kMaxPerLane = kMaxExperts / 32;
-constexpr int kMaxGroups = 32;
+constexpr int kMaxGroups = static_cast<int>(kDecodeRouteMaxGroups);
 constexpr int kMaxSlices = 8;                     // slices of H: the last block reads 8 x T x E sums
 constexpr int kPairsAtOnce = 4;                   // pairs whose sums a thread loads at once
 // The top k by rank (each thread ranks its pairs against their token's row) while a thread has at
@@ -553,8 +553,9 @@ __global__ void __launch_bounds__(kChooseWarps * 32) ChooseExpertsKernel(ChooseE
 }  // namespace
 
 bool ChooseExpertsFits(int64_t num_experts, int64_t top_k, int64_t n_group, int64_t topk_group) {
-  return num_experts >= 1 && num_experts <= 1024 && top_k >= 1 && top_k <= std::min<int64_t>(num_experts, 32) &&
-         n_group >= 1 && n_group <= 32 && num_experts % n_group == 0 && topk_group >= 1 && topk_group <= n_group;
+  return num_experts >= 1 && num_experts <= kChooseExpertsMaxExperts && top_k >= 1 &&
+         top_k <= std::min(num_experts, kChooseExpertsMaxTopK) && n_group >= 1 && n_group <= kChooseExpertsMaxGroups &&
+         num_experts % n_group == 0 && topk_group >= 1 && topk_group <= n_group;
 }
 
 cudaError_t LaunchChooseExperts(const ChooseExpertsArgs& a, cudaStream_t stream) {

@@ -11,13 +11,16 @@
 // The same ids as route_logits of the same logits; logits and weights equal within float32
 // rounding (the summation orders are not XLA's). Deterministic. No allocation: the per-slice sums
 // are a result of the call, and the arrival counter is one int32 that the caller keeps at zero
-// between calls (the last block resets it): the last word of the scratch's workspace.
+// between calls (the last block resets it): the last word of the scratch's workspace
+// (workspace_layout.h).
 #ifndef JAX_MOE_ROUTE_KERNELS_H_
 #define JAX_MOE_ROUTE_KERNELS_H_
 
 #include <cstdint>
 
 #include <cuda_runtime.h>
+
+#include "constants.h"
 
 namespace jax_moe {
 

@@ -28,6 +28,8 @@ FP8_DECODE_SWIGLU_TARGET = "jax_moe_fp8_decode_swiglu"  # CUDA only
 FP8_DECODE_SWIGLU_SHARED_TARGET = "jax_moe_fp8_decode_swiglu_shared"  # CUDA only
 SWIGLU_BACKWARD_TARGET = "jax_moe_swiglu_backward"  # CUDA only
 UNINITIALIZED_TARGET = "jax_moe_uninitialized"
+BENCH_NOOP_TARGET = "jax_moe_bench_noop"  # only with the benchmark module (HAS_BENCH)
+BENCH_COPY_TARGET = "jax_moe_bench_copy"  # only with the benchmark module (HAS_BENCH)
 GROUPED_DOT_TARGET = "jax_moe_grouped_dot"  # CPU only
 GROUPED_DOT_WEIGHT_GRAD_TARGET = "jax_moe_grouped_dot_weight_grad"  # CPU only
 FP8_GROUPED_DOT_TARGET = "jax_moe_fp8_grouped_dot"  # CPU only
@@ -50,6 +52,23 @@ def _register(module_name: str, platform: str):
 HAS_CPU = _register("_jax_moe_cpu", "cpu") is not None
 _CUDA_MODULE = _register("_jax_moe_cuda", "CUDA")
 HAS_CUDA = _CUDA_MODULE is not None
+
+
+def _register_bench() -> bool:
+    """Registers the optional benchmark module's targets on each platform it was built for."""
+    try:
+        module = importlib.import_module("jax_moe._jax_moe_bench")
+    except ImportError:
+        return False
+    for platform, targets in module.registrations().items():
+        for name, capsule in targets.items():
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    return True
+
+
+# The benchmark suites' floor and ceiling targets (BENCH_NOOP_TARGET, BENCH_COPY_TARGET), from the
+# optional module _jax_moe_bench: built only on request (JAX_MOE_BENCH=ON, cuda/README.md).
+HAS_BENCH = _register_bench()
 
 
 def grouped_matmul_workspace_bytes(num_groups: int) -> int:

@@ -9,7 +9,8 @@ evaluator below runs its top level (``load``, assignments, rule calls; ``glob``,
   ``tests/test_*.py`` run by a ``py_test``, every ``notebooks/*.ipynb`` in some rule's data;
 - every file BUILD names exists, and every local label (``:name``) is a target or an output of one;
 - each pybind11 extension is built from the same .cc/.cu files as its CMake module in
-  ``cuda/CMakeLists.txt``, is named like its ``PYBIND11_MODULE``, and lands in ``jax_moe/``.
+  ``cuda/CMakeLists.txt`` or ``cuda/bench/CMakeLists.txt`` (its sources and its linked libraries'),
+  is named like its ``PYBIND11_MODULE``, and lands in ``jax_moe/``.
 """
 
 from __future__ import annotations
@@ -196,11 +197,35 @@ def _sources(root: pathlib.Path) -> dict[str, list[str]]:
 
 
 def _cmake_modules(root: pathlib.Path) -> dict[str, set[str]]:
-    text = (root / "cuda" / "CMakeLists.txt").read_text()
-    modules = {}
-    for name, body in re.findall(r"pybind11_add_module\(\s*(\w+)([^)]*)\)", text):
-        modules[name] = {f"cuda/{w}" for w in body.split() if w.endswith((".cc", ".cu", ".cpp"))}
-    return modules
+    """Each pybind11 module of cuda/CMakeLists.txt (and its subdirectories') and the .cc/.cu files
+    compiled into it: its own and those of the libraries it links, transitively."""
+    sources: dict[str, set[str]] = {}  # target -> its own source files
+    links: dict[str, set[str]] = {}  # target -> targets it links
+    modules = []
+    for path in sorted((root / "cuda").rglob("CMakeLists.txt")):
+        folder = path.parent.relative_to(root).as_posix()
+        text = re.sub(r"#[^\n]*", "", path.read_text())
+        for command, name, body in re.findall(r"\b(pybind11_add_module|add_library|add_executable)\(\s*([\w$]+)([^)]*)\)",
+                                              text):
+            files = {f"{folder}/{w}" for w in body.split() if w.endswith((".cc", ".cu", ".cpp"))}
+            sources.setdefault(name, set()).update(files)
+            if command == "pybind11_add_module":
+                modules.append(name)
+        for name, body in re.findall(r"\btarget_link_libraries\(\s*([\w$]+)([^)]*)\)", text):
+            links.setdefault(name, set()).update(body.split())
+
+    def closure(target):
+        seen, stack, files = set(), [target], set()
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            files |= sources.get(current, set())
+            stack.extend(t for t in links.get(current, ()) if t in sources)
+        return files
+
+    return {name: closure(name) for name in modules}
 
 
 def _compiled_closure(build: BuildFile, rule: Rule) -> set[str]:
@@ -340,7 +365,7 @@ def test_build_file_declares_the_vendored_targets(build):
     assert not unloaded, f"rules used without a load(): {sorted(unloaded)}"
     # The CPU handlers use XLA's FFI API; the CUDA kernels are a cuda_library.
     ffi_users = [r.name for r in build.rules if "@xla//xla/ffi/api:ffi" in r.strings("deps")]
-    assert "cpu_ops" in ffi_users and "gpu_ops" in ffi_users, ffi_users
+    assert "cpu_ops" in ffi_users and "cuda_ffi" in ffi_users, ffi_users
     assert any(r.kind == "cuda_library" and any(s.endswith(".cu") for s in r.strings("srcs")) for r in build.rules)
 
 

@@ -1,9 +1,0 @@
-// The forward decode tile configuration of the grouped GEMM, in its own file:
-// CUTLASS kernels compile slowly, and separate files compile in parallel.
-#include "grouped_gemm_impl.cuh"
-
-namespace jax_moe::gemm {
-
-JAX_MOE_DEFINE_GEMM_CONFIG(ForwardSmallM, SmallM<GemmOp::kForward>)
-
-}  // namespace jax_moe::gemm
