@@ -1,6 +1,6 @@
 """The pure-JAX way JAX MoE code permutes tokens today: argsort, gather, inverse argsort.
 
-This is the peer baseline of DESIGN.md §7 and the reference model for the layer tests: the same
+This is the pure-JAX peer of the benchmarks and the reference model for the layer tests: the same
 model as ``jax_moe.moe_layer``/``moe_stack`` (same params, routing, experts, residual) but with
 argsort-based permute/unpermute and no scratch, so XLA allocates fresh buffers for every layer.
 """
@@ -13,7 +13,8 @@ from jax import lax
 
 from jax_moe.config import MoEConfig
 from jax_moe.experts import ExpertFn, shared_experts, swiglu_experts
-from jax_moe.layers import check_layer_params, rms_norm
+from jax_moe.ops import rms_norm
+from jax_moe.params import check_layer_params
 from jax_moe.routing import route
 
 

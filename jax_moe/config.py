@@ -1,4 +1,4 @@
-"""MoEConfig: the static description of one MoE routing problem (DESIGN.md §3)."""
+"""MoEConfig: the static description of one MoE routing problem."""
 
 from __future__ import annotations
 
@@ -80,6 +80,9 @@ class MoEConfig:
                                                                and renormalize in (0, 1))):
             raise ValueError(f"MoEConfig.renormalize: expected a bool, got {renormalize!r}")
         object.__setattr__(self, "renormalize", bool(renormalize))
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig.top_k: expected at most num_experts={self.num_experts} (each token picks "
+                             f"distinct experts), got {self.top_k}")
         self._check_routing()
         if self.expert_map is not None:
             object.__setattr__(self, "expert_map", self._checked_expert_map(self.expert_map))

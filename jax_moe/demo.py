@@ -25,10 +25,13 @@ import numpy as np
 
 from jax_moe.baseline import baseline_moe_stack
 from jax_moe.config import MoEConfig
-from jax_moe.layers import init_moe_params, moe_layer, moe_stack, rms_norm
+from jax_moe.layers import moe_layer
+from jax_moe.ops import rms_norm
+from jax_moe.params import init_moe_params
+from jax_moe.stack import moe_stack
 from jax_moe.scratch import init_scratch
 
-# The memory series' model (f32: XLA:CPU converts stacked bf16 weights up front, DESIGN.md §6).
+# The memory series' model (f32: XLA:CPU converts stacked bf16 weights up front).
 # The scratch (T_max*k rows of H) dominates one layer's weights, so a per-layer scratch shows.
 SERIES_CONFIG = dict(num_experts=8, top_k=2, hidden_size=256, max_tokens=256, dtype="float32")
 SERIES_FFN = 32

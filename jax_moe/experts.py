@@ -1,17 +1,18 @@
-"""The experts on permuted rows: SwiGLU on ``gemm.grouped_dot`` (``ragged_dot``), or on the CUDA grouped GEMMs.
+"""The experts step of a layer: the routed experts on permuted rows, and the shared expert.
 
 Between ``permute`` and ``unpermute`` each local expert e applies ``down_e(silu(gate_e(r)) *
-up_e(r))`` to its rows r. Two implementations:
-- ``swiglu_experts``: two ``gemm.grouped_dot`` calls (``jax.lax.ragged_dot``; on CPU a C++ kernel
-  that skips the other experts' weights), differentiated by JAX (any device, any dtype; the
-  reference of the layer tests).
-- ``swiglu_experts_grouped``: the CUDA grouped GEMMs (``jax_moe.gemm``) on the scratch's groups,
-  with a hand-written backward: four more grouped GEMMs (input and weight gradient of each
-  projection), bf16 operands and float32 accumulation, no float32 copy of any weight.
-``run_experts`` picks one for a layer. ``shared_experts`` is the dense SwiGLU expert every token
-goes through in DeepSeek-V3 and Qwen2/3.5-MoE, optionally scaled by a sigmoid gate; at decode it
-streams its weights inside the routed experts' decode launches (``run_experts_and_shared``,
-``swiglu_decode_with_shared``).
+up_e(r))`` to its rows r. Which kernels run is the layer's ``LayerPlan`` (``jax_moe.plan``);
+``run_experts`` reads it:
+- ``ragged_dot``: ``swiglu_experts``, two ``gemm.grouped_dot`` calls differentiated by JAX (any
+  device and dtype; the reference of the layer tests; FP8 experts dequantised);
+- ``grouped_gemm``: the CUDA bf16 grouped GEMMs (``swiglu_experts_grouped``; at decode the decode
+  kernel) with a hand-written backward of four grouped GEMMs;
+- ``fp8_grouped_gemm``: the CUDA FP8 GEMMs or FP8 decode kernel (``swiglu_experts_fp8``;
+  ``fp8_experts_on_tokens`` when the permute quantises), differentiable in the rows;
+- ``custom``: the caller's ``expert_fn``.
+``shared_experts`` is the dense SwiGLU expert every token goes through (DeepSeek-V3, Qwen2/3.5-MoE),
+optionally scaled by a sigmoid gate; where the plan says so it streams its weights inside the
+routed experts' decode launches instead (``run_experts`` returns it then).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import _native, fp8, gemm, ops
+from jax_moe import fp8, gemm, ops
 from jax_moe.gemm import gated_silu
-from jax_moe.ops import read_from
+from jax_moe._ffi import read_from
+from jax_moe.plan import LayerPlan
 from jax_moe.routing import dot_f32
-from jax_moe.scratch import ROUTING_TILE, MoEScratch
+from jax_moe.scratch import MoEScratch
 
 # expert_fn(layer_params, rows [R, H], group_sizes [El] int32) -> rows_out [R, H] (rows' dtype).
 ExpertFn = Callable[[dict, jax.Array, jax.Array], jax.Array]
@@ -70,7 +72,7 @@ def _fp8_leaves(layer_params: dict, names: tuple[str, str]) -> tuple[jax.Array, 
     return tuple(lax.stop_gradient(layer_params[name + suffix]) for name in names for suffix in ("", fp8.SCALE_SUFFIX))
 
 
-def shared_experts(layer_params: dict, x: jax.Array) -> jax.Array | None:
+def shared_experts(layer_params: dict, x: jax.Array, plan: LayerPlan | None = None) -> jax.Array | None:
     """The shared expert's output for tokens x [T, H], x's dtype, or None when the params have none.
 
     ``down(silu(gate(x)) * up(x))`` with ``shared_gate_up`` [H, 2Fs] (gate first) and ``shared_down``
@@ -78,16 +80,17 @@ def shared_experts(layer_params: dict, x: jax.Array) -> jax.Array | None:
     params hold a ``shared_gate`` [H, 1] (Qwen2-MoE, Qwen3.5-MoE), plain otherwise (DeepSeek-V3,
     whose ``n_shared_experts`` experts are one of width ``n_shared_experts * F``). An FP8 shared
     expert (``jax_moe.fp8``: ``shared_gate_up`` [2Fs, H], ``shared_down`` [H, Fs] and their scales)
-    takes the FP8 experts' math as one group of T rows (``gemm.fp8_swiglu_forward`` on the GPU),
-    its output rounded to x's dtype before the gate.
+    takes the FP8 experts' math as one group of T rows, its output rounded to x's dtype before the
+    gate. ``plan``: its kernels (``plan.shared``, in launches of its own); None: XLA's.
     """
     if "shared_gate_up" not in layer_params:
         return None
+    path = "xla" if plan is None else plan.shared
     weight = lambda name: layer_params[name].astype(x.dtype)  # noqa: E731
     if fp8.shared_is_quantized(layer_params):
-        out = _shared_swiglu_fp8(x, layer_params)
-    elif _shared_on_decode_kernel(x, layer_params["shared_down"].shape[0], SHARED_DECODE_MAX_TOKENS):
-        out = _shared_swiglu_decode(x, weight("shared_gate_up"), weight("shared_down"))
+        out = _shared_swiglu_fp8(x, layer_params, plan if path == "fp8_grouped_gemm" else None)
+    elif path == "decode_kernel":
+        out = _shared_swiglu_decode(x, weight("shared_gate_up"), weight("shared_down"), plan.shared_decode_rows_per_pass)
     else:
         out = _shared_swiglu(x, weight("shared_gate_up"), weight("shared_down"))
     return _gate_shared(layer_params, x, out)
@@ -100,17 +103,16 @@ def _gate_shared(layer_params: dict, x, out):
     return out.astype(x.dtype)
 
 
-def _shared_swiglu_fp8(x, layer_params):
+def _shared_swiglu_fp8(x, layer_params, plan: LayerPlan | None):
     """The FP8 shared expert on tokens x [T, H]: one group of T rows through ``_fp8_experts`` (the FP8
-    grouped GEMM, its own small workspace) on a GPU with bf16 rows, else the same math dequantised.
+    kernels the plan names, their own small workspace), or with no plan the same math dequantised.
     [T, H] of x's dtype; differentiable in x only."""
-    num_tokens, hidden = x.shape
+    num_tokens = x.shape[0]
     weights = tuple(leaf[None] for leaf in _fp8_leaves(layer_params, fp8.SHARED_QUANTIZED_NAMES))
     offsets = jnp.array([0, num_tokens], jnp.int32)
-    on_gemm = (jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16
-               and gemm.supports_fp8(hidden, layer_params["shared_down"].shape[-1]))
-    if on_gemm:
-        return _fp8_experts(x, *weights, offsets, num_tokens, num_tokens, gemm.fp8_workspace(1))[0]
+    if plan is not None:
+        kernels = (plan.shared_fp8_tile_rows, plan.shared_fp8_decode_rows_per_pass, num_tokens)
+        return _fp8_experts(x, *weights, offsets, num_tokens, kernels, gemm.fp8_workspace(1))[0]
     return gemm.fp8_swiglu_dequantized(x, *weights, offsets, num_tokens)
 
 
@@ -119,45 +121,25 @@ def _shared_swiglu(x, gate_up, down):
     return dot_f32(gated_silu(dot_f32(x, gate_up), x.dtype), down)
 
 
-# The most tokens for which the shared expert runs on the decode kernel alone: one group of T rows
-# in one pass of up to gemm.DECODE_MAX_ROWS_PER_PASS rows (more rows take another pass, reading
-# the weights again). Measured on an H100 (µs per layer, XLA's dots -> the decode kernel;
-# notebooks/results/shared_decode_bound_h100.md): DeepSeek-V3 T = 4 1043 -> 991, T = 8 1729 -> 1706;
-# Qwen3.5 T = 4 412 -> 398, T = 8 level (737 -> 738); at T = 16 (two passes) Qwen3.5 1215 -> 1252.
-SHARED_DECODE_MAX_TOKENS = 8
-
-
-def _shared_on_decode_kernel(x, ffn_size: int, max_tokens: int) -> bool:
-    """Whether the shared expert runs on the decode kernel: a GPU, bf16, at most max_tokens tokens
-    (one expert owning every token: a group of T rows).
-
-    Inside a scan over layers XLA copies each layer's slice of the stacked shared weights before
-    its own dot (DeepSeek-V3 at T=1: 43 µs of copies, then 39 µs of matrix-vector products for
-    88 MB of weights) while the custom call reads the slice in place at the copy rate.
-    """
-    return (jax.default_backend() == "gpu" and x.shape[0] <= max_tokens
-            and gemm.supports_swiglu(x.dtype, x.shape[1], ffn_size))
-
-
-@jax.custom_vjp
-def _shared_swiglu_decode(x, gate_up, down):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _shared_swiglu_decode(x, gate_up, down, rows_per_pass: int):
     """``_shared_swiglu`` on the decode kernel (one group of T rows), rounded to x's dtype; its
-    gradient is the XLA path's."""
+    gradient is the XLA path's. XLA's dot would copy a scanned stack's slice of the weights first;
+    the custom call reads it in place."""
     num_tokens = x.shape[0]
     offsets = jnp.array([0, num_tokens], jnp.int32)
     workspace = jnp.zeros((1,), jnp.int32)  # the decode kernel keeps no per-group arguments
     activated, workspace = gemm.gated_forward(x, gate_up[None], offsets, workspace, num_tokens, gemm.DECODE_TILE,
-                                              group_rows=num_tokens)
-    out, _ = gemm.forward(activated, down[None], offsets, workspace, num_tokens, gemm.DECODE_TILE,
-                          group_rows=num_tokens)
+                                              rows_per_pass)
+    out, _ = gemm.forward(activated, down[None], offsets, workspace, num_tokens, gemm.DECODE_TILE, rows_per_pass)
     return out
 
 
-def _shared_swiglu_decode_fwd(x, gate_up, down):
-    return _shared_swiglu_decode(x, gate_up, down), (x, gate_up, down)
+def _shared_swiglu_decode_fwd(x, gate_up, down, rows_per_pass):
+    return _shared_swiglu_decode(x, gate_up, down, rows_per_pass), (x, gate_up, down)
 
 
-def _shared_swiglu_decode_bwd(residuals, d_out):
+def _shared_swiglu_decode_bwd(rows_per_pass, residuals, d_out):
     _, vjp = jax.vjp(lambda *a: _shared_swiglu(*a).astype(d_out.dtype), *residuals)
     return vjp(d_out)
 
@@ -165,69 +147,53 @@ def _shared_swiglu_decode_bwd(residuals, d_out):
 _shared_swiglu_decode.defvjp(_shared_swiglu_decode_fwd, _shared_swiglu_decode_bwd)
 
 
-# Whether a shared expert at decode streams in the routed experts' launches (the bench's
-# decode suite switches it off to measure the launches apart in the same run).
-SHARED_IN_DECODE_LAUNCH = True
-
-
-def shared_rides_decode(layer_params: dict, x, tile: int) -> bool:
-    """Whether the shared expert runs in the routed experts' decode launches
-    (``swiglu_decode_with_shared``): the routed experts take ``gemm.DECODE_TILE`` and a bf16 shared
-    expert the decode kernel (``_shared_on_decode_kernel``: a GPU, at most
-    ``gemm.DECODE_MAX_GROUP_ROWS`` tokens)."""
-    return (SHARED_IN_DECODE_LAUNCH and "shared_gate_up" in layer_params and tile == gemm.DECODE_TILE
-            and not fp8.is_quantized(layer_params)
-            and not fp8.shared_is_quantized(layer_params)
-            and _shared_on_decode_kernel(x, layer_params["shared_down"].shape[-2], gemm.DECODE_MAX_GROUP_ROWS))
-
-
-def swiglu_decode_with_shared(rows, gate_up, down, offsets, workspace, num_rows: int, group_rows: int | None,
+def swiglu_decode_with_shared(rows, gate_up, down, offsets, workspace, num_rows: int, rows_per_pass: int,
                               layer_params: dict, x):
     """The routed experts' SwiGLU on the decode kernel with the shared expert's in the same two
-    launches (``gemm.decode_forward_with_shared``): ``(rows_out [num_rows, H], shared [T, H],
-    workspace)``, shared gated as ``shared_experts``'s. The routed experts' math is
+    launches (``gemm.decode_forward_with_shared``, rows_per_pass enough for both): ``(rows_out
+    [num_rows, H], shared [T, H], workspace)``, shared gated as ``shared_experts``'s. The routed experts' math is
     ``_swiglu_grouped``'s at ``gemm.DECODE_TILE``, the shared expert's ``_shared_swiglu_decode``'s
     (its sums split over other blocks: float32 roundings may differ). Differentiable as those two."""
     shared_gate_up, shared_down = (layer_params[name].astype(x.dtype) for name in ("shared_gate_up", "shared_down"))
-    out, shared, workspace = _swiglu_with_shared(rows, gate_up, down, offsets, workspace, num_rows, group_rows,
+    out, shared, workspace = _swiglu_with_shared(rows, gate_up, down, offsets, workspace, num_rows, rows_per_pass,
                                                  x, shared_gate_up, shared_down)
     return out, _gate_shared(layer_params, x, shared), workspace
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _swiglu_with_shared(rows, gate_up, down, offsets, workspace, num_rows, group_rows, x, shared_gate_up,
+def _swiglu_with_shared(rows, gate_up, down, offsets, workspace, num_rows, rows_per_pass, x, shared_gate_up,
                         shared_down):
-    activated, shared_activated = gemm.decode_forward_with_shared(rows, gate_up, offsets, num_rows, x,
-                                                                  shared_gate_up, gated=True, group_rows=group_rows)
+    activated, shared_activated = gemm.decode_forward_with_shared(rows, gate_up, offsets, num_rows, x, shared_gate_up,
+                                                                  gated=True, rows_per_pass=rows_per_pass)
     out, shared = gemm.decode_forward_with_shared(activated, down, offsets, num_rows, shared_activated, shared_down,
-                                                  gated=False, group_rows=group_rows)
+                                                  gated=False, rows_per_pass=rows_per_pass)
     return out, shared, workspace
 
 
-def _swiglu_with_shared_fwd(rows, gate_up, down, offsets, workspace, num_rows, group_rows, x, shared_gate_up,
+def _swiglu_with_shared_fwd(rows, gate_up, down, offsets, workspace, num_rows, rows_per_pass, x, shared_gate_up,
                             shared_down):
     (out, workspace), routed = _swiglu_grouped_fwd(rows, gate_up, down, offsets, workspace, num_rows,
-                                                   gemm.DECODE_TILE, group_rows)
-    shared, dense = _shared_swiglu_decode_fwd(x, shared_gate_up, shared_down)
+                                                   gemm.DECODE_TILE, rows_per_pass)
+    shared, dense = _shared_swiglu_decode_fwd(x, shared_gate_up, shared_down, rows_per_pass)
     return (out, shared, workspace), (routed, dense)
 
 
-def _swiglu_with_shared_bwd(num_rows, group_rows, residuals, cotangents):
+def _swiglu_with_shared_bwd(num_rows, rows_per_pass, residuals, cotangents):
     routed, dense = residuals
     d_out, d_shared, d_workspace = cotangents
-    d_routed = _swiglu_grouped_bwd(num_rows, gemm.DECODE_TILE, group_rows, routed, (d_out, d_workspace))
-    return (*d_routed, *_shared_swiglu_decode_bwd(dense, d_shared))
+    d_routed = _swiglu_grouped_bwd(num_rows, gemm.DECODE_TILE, rows_per_pass, routed, (d_out, d_workspace))
+    return (*d_routed, *_shared_swiglu_decode_bwd(rows_per_pass, dense, d_shared))
 
 
 _swiglu_with_shared.defvjp(_swiglu_with_shared_fwd, _swiglu_with_shared_bwd)
 
 
-def swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows: int, tile: int,
-                           keep_hidden: bool = True, group_rows: int | None = None, hidden_into=None):
+def swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows: int, tile: str,
+                           keep_hidden: bool = True, rows_per_pass: int = 0, hidden_into=None):
     """``(out [num_rows, H], workspace, hidden [num_rows, 2F] or None)``: the grouped SwiGLU, no autodiff rule.
 
     ``keep_hidden=False`` (no backward to come) lets the decode tile fold the activation into the
-    gate/up GEMM, and hidden comes back None. group_rows: ``gemm.forward``'s. hidden_into: optional
+    gate/up GEMM, and hidden comes back None. rows_per_pass: ``gemm.forward``'s. hidden_into: optional
     ``(stack, layer, offset)``: the gate/up GEMM writes hidden there (``gemm.forward_into``) and
     the stack comes back in hidden's place.
     """
@@ -236,25 +202,25 @@ def swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows: in
         hidden, workspace = gemm.forward_into(rows, gate_up, offsets, workspace, num_rows, tile, stack, layer, offset)
         activated = gated_silu(read_from(hidden, layer, (num_rows, gate_up.shape[2]), offset), rows.dtype)
     elif keep_hidden:
-        hidden, workspace = gemm.forward(rows, gate_up, offsets, workspace, num_rows, tile, group_rows)
+        hidden, workspace = gemm.forward(rows, gate_up, offsets, workspace, num_rows, tile, rows_per_pass)
         activated = gated_silu(hidden, rows.dtype)
     else:
         hidden = None
-        activated, workspace = gemm.gated_forward(rows, gate_up, offsets, workspace, num_rows, tile, group_rows)
-    out, workspace = gemm.forward(activated, down, offsets, workspace, num_rows, tile, group_rows)
+        activated, workspace = gemm.gated_forward(rows, gate_up, offsets, workspace, num_rows, tile, rows_per_pass)
+    out, workspace = gemm.forward(activated, down, offsets, workspace, num_rows, tile, rows_per_pass)
     return out, workspace, hidden
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _swiglu_grouped(rows, gate_up, down, offsets, workspace, num_rows, tile, group_rows):
+def _swiglu_grouped(rows, gate_up, down, offsets, workspace, num_rows, tile, rows_per_pass):
     out, workspace, _ = swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows, tile,
-                                               keep_hidden=False, group_rows=group_rows)
+                                               keep_hidden=False, rows_per_pass=rows_per_pass)
     return out, workspace
 
 
-def _swiglu_grouped_fwd(rows, gate_up, down, offsets, workspace, num_rows, tile, group_rows):
+def _swiglu_grouped_fwd(rows, gate_up, down, offsets, workspace, num_rows, tile, rows_per_pass):
     out, workspace, hidden = swiglu_grouped_forward(rows, gate_up, down, offsets, workspace, num_rows, tile,
-                                                    group_rows=group_rows)
+                                                    rows_per_pass=rows_per_pass)
     # Residuals: this layer's live rows and groups (a scan stacks them per layer, so the next
     # layer's in-place permute cannot clobber them), the [num_rows, 2F] gate/up product (the
     # activation is recomputed from it: [num_rows, F] less to keep), the weights by reference, and
@@ -325,7 +291,7 @@ def swiglu_grouped_grad_but_gate_up(hidden, offsets, gate_up, down, d_out, num_r
     return d_rows, d_hidden, d_down, d_row_weights, workspace
 
 
-def _swiglu_grouped_bwd(num_rows, tile, group_rows, residuals, cotangents):
+def _swiglu_grouped_bwd(num_rows, tile, rows_per_pass, residuals, cotangents):
     rows, hidden, offsets, gate_up, down, rows_like = residuals
     d_rows, d_gate_up, d_down = swiglu_grouped_grad(rows, hidden, offsets, gate_up, down, cotangents[0],
                                                     num_rows, tile)
@@ -336,7 +302,7 @@ def _swiglu_grouped_bwd(num_rows, tile, group_rows, residuals, cotangents):
 _swiglu_grouped.defvjp(_swiglu_grouped_fwd, _swiglu_grouped_bwd)
 
 
-def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, num_tokens: int):
+def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, plan: LayerPlan):
     """``swiglu_experts`` on the CUDA grouped GEMMs: gate/up as one GEMM of width 2F, then down.
 
     Reads the rows and groups from the scratch and threads its workspace through both GEMMs.
@@ -348,30 +314,30 @@ def swiglu_experts_grouped(layer_params: dict, scratch: MoEScratch, num_tokens: 
     (``jax_moe.fp8``) are dequantised to the rows' dtype first (no gradient reaches FP8 weights).
     """
     config = scratch.config
-    num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
-    tile = gemm.pick_tile(num_rows, config.num_local_experts, group_rows)
+    num_rows = config.live_row_bound(plan.num_tokens)
     gate_up, down = fp8.expert_weights(layer_params, config.dtype)
     out, workspace = _swiglu_grouped(scratch.permuted, gate_up, down, scratch.expert_offsets, scratch.workspace,
-                                     num_rows, tile, group_rows)
+                                     num_rows, plan.tile, plan.decode_rows_per_pass)
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _fp8_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, group_rows, workspace):
-    """Both projections on the FP8 grouped GEMM, one call (``gemm.fp8_swiglu_forward``; group_rows
-    its): ``([num_rows, H], workspace)``. Differentiable in rows."""
+def _fp8_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, kernels, workspace):
+    """Both projections on the FP8 kernels, one call (``gemm.fp8_swiglu_forward``; kernels: its
+    ``(tile_rows, decode_rows, group_rows)``): ``([num_rows, H], workspace)``. Differentiable in rows."""
+    tile_rows, decode_rows, group_rows = kernels
     return gemm.fp8_swiglu_forward(rows, gate_up, gate_up_scale, down, down_scale, offsets, workspace, num_rows,
-                                   group_rows=group_rows)
+                                   tile_rows=tile_rows, decode_rows=decode_rows, group_rows=group_rows)
 
 
-def _fp8_experts_fwd(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, group_rows, workspace):
-    out = _fp8_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, group_rows, workspace)
+def _fp8_experts_fwd(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, kernels, workspace):
+    out = _fp8_experts(rows, gate_up, gate_up_scale, down, down_scale, offsets, num_rows, kernels, workspace)
     # The live rows only, and a zero-width array carrying the scratch's row count (as _swiglu_grouped).
     return out, (rows[:num_rows], gate_up, gate_up_scale, down, down_scale, offsets,
                  jnp.zeros((rows.shape[0], 0), rows.dtype))
 
 
-def _fp8_experts_bwd(num_rows, group_rows, residuals, cotangents):
+def _fp8_experts_bwd(num_rows, kernels, residuals, cotangents):
     # The rows' gradient with the rows' quantisation as the identity (as fp8_dequantized_matmul's):
     # through the dequantised weights on the bf16 grouped GEMMs (the weight gradients it also forms
     # are dead code). FP8 weights and scales are inference-only; the workspace has no gradient.
@@ -389,66 +355,50 @@ def _fp8_experts_bwd(num_rows, group_rows, residuals, cotangents):
 _fp8_experts.defvjp(_fp8_experts_fwd, _fp8_experts_bwd)
 
 
-def swiglu_experts_fp8(layer_params: dict, scratch: MoEScratch, num_tokens: int):
+def swiglu_experts_fp8(layer_params: dict, scratch: MoEScratch, plan: LayerPlan):
     """``swiglu_experts_grouped`` for FP8 experts (``jax_moe.fp8``): both projections on the FP8
-    grouped GEMM in one call (``gemm.fp8_swiglu_forward``; rows quantised per 1 x 128 group, the
-    scratch's workspace threaded through), SwiGLU's activation between them. Differentiable in the rows (not in the FP8
-    weights). Returns ``([live_row_bound(T), H], scratch)``."""
+    kernels the plan names in one call (``gemm.fp8_swiglu_forward``; rows quantised per 1 x 128
+    group, the scratch's workspace threaded through), SwiGLU's activation between them.
+    Differentiable in the rows (not in the FP8 weights). Returns ``([live_row_bound(T), H], scratch)``."""
     config = scratch.config
-    num_rows = config.live_row_bound(num_tokens)
+    num_rows = config.live_row_bound(plan.num_tokens)
     weights = _fp8_leaves(layer_params, fp8.QUANTIZED_NAMES)
-    out, workspace = _fp8_experts(scratch.permuted, *weights, scratch.expert_offsets, num_rows,
-                                  config.group_row_bound(num_tokens), scratch.workspace)
+    kernels = (plan.fp8_tile_rows, plan.fp8_decode_rows_per_pass, config.group_row_bound(plan.num_tokens))
+    out, workspace = _fp8_experts(scratch.permuted, *weights, scratch.expert_offsets, num_rows, kernels,
+                                  scratch.workspace)
     return out, scratch.replace(workspace=lax.stop_gradient(workspace))
 
 
-# FP8 experts on the CUTLASS path quantise the tokens in permute (ops.permute_fp8): the layer's
-# rows are never copied in bf16 and read back to be quantised. Off: permute, then the FP8 call's own
-# quantisation (the same bits; for measuring).
-QUANTIZE_IN_PERMUTE = True
-
-
-def fp8_quantizes_in_permute(layer_params: dict, tokens, config) -> bool:
-    """Whether ``moe_layer`` routes FP8 experts through ``fp8_experts_on_tokens``: FP8 routed experts
-    on the CUTLASS FP8 GEMMs (``gemm.fp8_decode_rows`` 0), a GPU, bf16 tokens, and more routes than
-    permute's one-launch path takes (``ROUTING_TILE``: the quantising permute has only the four-launch
-    path, which would cost a few-token step more launches than the quantisation it saves)."""
-    if not (QUANTIZE_IN_PERMUTE and fp8.is_quantized(layer_params) and uses_grouped_matmul(layer_params, config)
-            and _on_fp8_decode_device(tokens) and tokens.shape[0] * config.top_k > ROUTING_TILE):
-        return False
-    num_rows = config.live_row_bound(tokens.shape[0])
-    return gemm.fp8_decode_rows(num_rows, config.num_local_experts, config.hidden_size,
-                                fp8.ffn_size(layer_params)) == 0
-
-
-def fp8_experts_on_tokens(layer_params: dict, tokens, ids, scratch: MoEScratch):
-    """``permute`` then ``swiglu_experts_fp8`` for FP8 experts on the CUTLASS path, with the tokens
-    quantised in permute (``ops.permute_fp8``, then ``gemm.fp8_swiglu_quantized_forward``): the
-    same bits. Differentiable in tokens (the rows' quantisation as the identity, as
-    ``swiglu_experts_fp8``). Returns ``([live_row_bound(T), H], scratch)``."""
+def fp8_experts_on_tokens(layer_params: dict, tokens, ids, scratch: MoEScratch, plan: LayerPlan):
+    """``permute`` then ``swiglu_experts_fp8`` for FP8 experts on the CUTLASS path (the plan's
+    ``permute="fp8_quantize"``), with the tokens quantised in permute (``ops.permute_fp8``, then
+    ``gemm.fp8_swiglu_quantized_forward``): the same bits, and no bf16 rows written and read back.
+    Differentiable in tokens (the rows' quantisation as the identity, as ``swiglu_experts_fp8``).
+    Returns ``([live_row_bound(T), H], scratch)``."""
     config = scratch.config
     num_rows = config.live_row_bound(tokens.shape[0])
     out, scratch = _fp8_permuted_experts(tokens, ids, scratch, *_fp8_leaves(layer_params, fp8.QUANTIZED_NAMES),
-                                         num_rows)
+                                         num_rows, plan.fp8_tile_rows)
     return out, lax.stop_gradient(scratch)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _fp8_permuted_experts(tokens, ids, scratch, gate_up, gate_up_scale, down, down_scale, num_rows):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _fp8_permuted_experts(tokens, ids, scratch, gate_up, gate_up_scale, down, down_scale, num_rows, tile_rows):
     scratch, q_rows, row_scale = ops.permute_fp8(tokens, ids, scratch, num_rows)
     out, workspace = gemm.fp8_swiglu_quantized_forward(q_rows, row_scale, gate_up, gate_up_scale, down, down_scale,
-                                                       scratch.expert_offsets, scratch.workspace, num_rows)
+                                                       scratch.expert_offsets, scratch.workspace, num_rows, tile_rows)
     return out, scratch.replace(workspace=workspace)
 
 
-def _fp8_permuted_experts_fwd(tokens, ids, scratch, gate_up, gate_up_scale, down, down_scale, num_rows):
-    out, scratch = _fp8_permuted_experts(tokens, ids, scratch, gate_up, gate_up_scale, down, down_scale, num_rows)
+def _fp8_permuted_experts_fwd(tokens, ids, scratch, gate_up, gate_up_scale, down, down_scale, num_rows, tile_rows):
+    out, scratch = _fp8_permuted_experts(tokens, ids, scratch, gate_up, gate_up_scale, down, down_scale, num_rows,
+                                         tile_rows)
     # This call's routes and offsets, never a scratch buffer itself (the next layer overwrites it).
     dest = scratch.dest_index[:tokens.shape[0]]
     return (out, scratch), (tokens, dest, scratch.expert_offsets, gate_up, gate_up_scale, down, down_scale)
 
 
-def _fp8_permuted_experts_bwd(num_rows, residuals, cotangents):
+def _fp8_permuted_experts_bwd(num_rows, tile_rows, residuals, cotangents):
     # The rows are recomputed from the tokens (permute's bf16 rows were never written), then
     # _fp8_experts' backward and permute's.
     tokens, dest, offsets, gate_up, gate_up_scale, down, down_scale = residuals
@@ -459,24 +409,6 @@ def _fp8_permuted_experts_bwd(num_rows, residuals, cotangents):
 
 
 _fp8_permuted_experts.defvjp(_fp8_permuted_experts_fwd, _fp8_permuted_experts_bwd)
-
-
-def _on_fp8_decode_device(x) -> bool:
-    """Where the FP8 decode kernel can run: a GPU, the CUDA module, bf16 tokens."""
-    return jax.default_backend() == "gpu" and _native.HAS_CUDA and x.dtype == jnp.bfloat16
-
-
-def fp8_shared_rides_decode(layer_params: dict, x, num_rows: int, num_groups: int) -> bool:
-    """Whether an FP8 shared expert streams in the FP8 routed experts' decode launches
-    (``gemm.fp8_decode_swiglu_with_shared``): both FP8, the routed experts on the decode kernel
-    (``gemm.fp8_decode_rows``), a GPU, bf16 tokens, at most ``gemm.FP8_DECODE_MAX_SHARED_ROWS``."""
-    if not (SHARED_IN_DECODE_LAUNCH and "shared_gate_up" in layer_params and fp8.is_quantized(layer_params)
-            and fp8.shared_is_quantized(layer_params)):
-        return False
-    hidden, ffn, shared_ffn = x.shape[-1], fp8.ffn_size(layer_params), layer_params["shared_down"].shape[-1]
-    return (_on_fp8_decode_device(x) and x.shape[0] <= gemm.FP8_DECODE_MAX_SHARED_ROWS and shared_ffn % fp8.BLOCK == 0
-            and shared_ffn <= gemm.FP8_DECODE_MAX_K
-            and gemm.fp8_decode_rows(num_rows, num_groups, hidden, ffn) != 0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12))
@@ -511,49 +443,6 @@ def _fp8_experts_with_shared_bwd(num_rows, group_rows, residuals, cotangents):
 _fp8_experts_with_shared.defvjp(_fp8_experts_with_shared_fwd, _fp8_experts_with_shared_bwd)
 
 
-def run_experts_and_shared(expert_fn: ExpertFn | None, layer_params: dict, scratch: MoEScratch, tokens: jax.Array):
-    """``run_experts`` and ``shared_experts(layer_params, tokens)`` for tokens [T, H]: ``(rows_out,
-    shared [T, H] or None, scratch)``. The shared expert streams in the routed experts' decode
-    launches where ``shared_rides_decode`` says so (DeepSeek-V3 and Qwen3.5 at T <= 2)."""
-    config, num_tokens = scratch.config, tokens.shape[0]
-    if expert_fn is None and uses_grouped_matmul(layer_params, config):
-        num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
-        if shared_rides_decode(layer_params, tokens, gemm.pick_tile(num_rows, config.num_local_experts, group_rows)):
-            gate_up, down = fp8.expert_weights(layer_params, config.dtype)
-            out, shared, workspace = swiglu_decode_with_shared(scratch.permuted, gate_up, down, scratch.expert_offsets,
-                                                               scratch.workspace, num_rows, group_rows, layer_params,
-                                                               tokens)
-            return out, shared, scratch.replace(workspace=lax.stop_gradient(workspace))
-        if fp8_shared_rides_decode(layer_params, tokens, num_rows, config.num_local_experts):
-            out, shared = _fp8_experts_with_shared(
-                scratch.permuted, *_fp8_leaves(layer_params, fp8.QUANTIZED_NAMES), scratch.expert_offsets, tokens,
-                *_fp8_leaves(layer_params, fp8.SHARED_QUANTIZED_NAMES), num_rows, group_rows)
-            return out, _gate_shared(layer_params, tokens, shared), scratch
-    rows_out, scratch = run_experts(expert_fn, layer_params, scratch, num_tokens)
-    return rows_out, shared_experts(layer_params, tokens), scratch
-
-
-def gate_up_to_prefetch(expert_fn: ExpertFn | None, layer_params: dict, config, num_tokens: int):
-    """The layer's gate/up stack [El, H, 2F] for ``ops.permute``'s ``prefetch`` hint, or None: only
-    for the default bf16 experts on the decode kernel, whose first launch reads those weights
-    straight after the permute (float32 master weights are converted first: no hint)."""
-    if expert_fn is not None or fp8.is_quantized(layer_params) or not uses_grouped_matmul(layer_params, config):
-        return None
-    tile = gemm.pick_tile(config.live_row_bound(num_tokens), config.num_local_experts,
-                          config.group_row_bound(num_tokens))
-    gate_up = layer_params["gate_up"]
-    return gate_up if tile == gemm.DECODE_TILE and gate_up.dtype == config.dtype else None
-
-
-def uses_grouped_matmul(layer_params: dict, config) -> bool:
-    """Whether ``moe_layer``'s default experts run on the CUDA grouped GEMMs (GPU, bf16, aligned sizes;
-    FP8 experts: H and F multiples of 128)."""
-    ffn_size = fp8.ffn_size(layer_params)
-    if fp8.is_quantized(layer_params) and not gemm.supports_fp8(config.hidden_size, ffn_size):
-        return False
-    return jax.default_backend() == "gpu" and gemm.supports_grouped_matmul(config, config.hidden_size, ffn_size)
-
-
 def experts_on_scratch(expert_fn: ExpertFn, layer_params, scratch: MoEScratch, num_tokens: int) -> jax.Array:
     """Runs ``expert_fn`` on the rows that can be live; returns them ([live_row_bound(T), H]).
 
@@ -570,17 +459,52 @@ def experts_on_scratch(expert_fn: ExpertFn, layer_params, scratch: MoEScratch, n
     return out
 
 
-def run_experts(expert_fn: ExpertFn | None, layer_params: dict, scratch: MoEScratch,
-                num_tokens: int) -> tuple[jax.Array, MoEScratch]:
-    """The experts on a permuted scratch: ``(rows_out [live_row_bound(T), H] for unpermute, scratch)``.
+def run_experts(plan: LayerPlan, layer_params: dict, scratch: MoEScratch, tokens: jax.Array,
+                expert_fn: ExpertFn | None = None):
+    """The experts on a permuted scratch, as ``plan`` says: ``(rows_out [live_row_bound(T), H] for
+    unpermute, shared [T, H] or None, scratch)``.
 
-    ``expert_fn`` None is SwiGLU: on the CUDA grouped GEMM where ``uses_grouped_matmul`` says so
-    (GPU, bf16, aligned sizes), else on ``jax.lax.ragged_dot``. Both the single-device layer and
-    the expert-parallel one (on its received rows) come through here.
+    ``shared`` is the shared expert's output when the plan streams it in the routed experts'
+    launches (``plan.shared`` ``"routed_launch"`` / ``"fp8_routed_launch"``; ``tokens`` [T, H] are
+    its input), else None (the layer runs ``shared_experts`` apart). The single-device layer and the
+    expert-parallel one (on its received rows) both come through here.
     """
-    if expert_fn is None and uses_grouped_matmul(layer_params, scratch.config):
-        if fp8.is_quantized(layer_params):
-            return swiglu_experts_fp8(layer_params, scratch, num_tokens)
-        return swiglu_experts_grouped(layer_params, scratch, num_tokens)
+    config, num_tokens = scratch.config, plan.num_tokens
+    num_rows = config.live_row_bound(num_tokens)
+    if plan.experts == "grouped_gemm":
+        if plan.shared == "routed_launch":
+            gate_up, down = fp8.expert_weights(layer_params, config.dtype)
+            rows_per_pass = max(plan.decode_rows_per_pass, plan.shared_decode_rows_per_pass)
+            out, shared, workspace = swiglu_decode_with_shared(scratch.permuted, gate_up, down, scratch.expert_offsets,
+                                                               scratch.workspace, num_rows, rows_per_pass,
+                                                               layer_params, tokens)
+            return out, shared, scratch.replace(workspace=lax.stop_gradient(workspace))
+        out, scratch = swiglu_experts_grouped(layer_params, scratch, plan)
+        return out, None, scratch
+    if plan.experts == "fp8_grouped_gemm":
+        if plan.shared == "fp8_routed_launch":
+            out, shared = _fp8_experts_with_shared(
+                scratch.permuted, *_fp8_leaves(layer_params, fp8.QUANTIZED_NAMES), scratch.expert_offsets, tokens,
+                *_fp8_leaves(layer_params, fp8.SHARED_QUANTIZED_NAMES), num_rows,
+                config.group_row_bound(num_tokens))
+            return out, _gate_shared(layer_params, tokens, shared), scratch
+        out, scratch = swiglu_experts_fp8(layer_params, scratch, plan)
+        return out, None, scratch
+    if plan.experts == "custom" and expert_fn is None:
+        raise ValueError("moe_layer: plan: experts='custom' needs an expert_fn")
     expert_fn = swiglu_experts if expert_fn is None else expert_fn
-    return experts_on_scratch(expert_fn, layer_params, scratch, num_tokens), scratch
+    return experts_on_scratch(expert_fn, layer_params, scratch, num_tokens), None, scratch
+
+
+def run_experts_keeping_hidden(plan: LayerPlan, layer_params: dict, scratch: MoEScratch, hidden_into=None):
+    """A stack's training forward on the bf16 grouped GEMMs: ``(rows_out, scratch, hidden)``, hidden
+    the gate/up product [live_row_bound(T), 2F] its backward reads (or, with ``hidden_into``, the
+    stack it was written into: ``swiglu_grouped_forward``'s). No autodiff rule: the stack's backward
+    (``jax_moe.stack``) is written by hand."""
+    config = scratch.config
+    num_rows = config.live_row_bound(plan.num_tokens)
+    gate_up, down = (layer_params[name].astype(config.dtype) for name in ("gate_up", "down"))
+    out, workspace, hidden = swiglu_grouped_forward(scratch.permuted, gate_up, down, scratch.expert_offsets,
+                                                    scratch.workspace, num_rows, plan.tile, keep_hidden=True,
+                                                    rows_per_pass=plan.decode_rows_per_pass, hidden_into=hidden_into)
+    return out, scratch.replace(workspace=workspace), hidden

@@ -63,12 +63,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_moe import pipeline, plan as plan_lib
 from jax_moe._validate import _fail
 from jax_moe.config import MoEConfig
-from jax_moe.experts import ExpertFn, run_experts, shared_experts
-from jax_moe.layers import EXPERT_PARAM_NAMES, check_layer_params, check_param_keys, rms_norm
-from jax_moe.routing import route
+from jax_moe.experts import ExpertFn
 from jax_moe.ops import permute, unpermute, unpermute_by_dest
+from jax_moe.params import EXPERT_PARAM_NAMES, check_layer_params, check_options, check_param_keys
+from jax_moe.plan import LayerPlan
 from jax_moe.scratch import BUFFER_NAMES, MoEScratch, buffer_shapes, init_scratch
 
 # exchange(rows [n, C, ...], axis_name) -> rows [n, C, ...]: block p goes to device p, block q of
@@ -345,58 +346,75 @@ def _dispatch_plan(ids: jax.Array, slots: jax.Array, num_local: int, num_devices
     return send_pos.reshape(num_tokens, top_k), send_route, send_local_id, dropped
 
 
-def _local_layer(layer_params: dict, x: jax.Array, scratch: MoEScratch, *, config: MoEConfig,
-                 slots: jax.Array, num_devices: int, capacity: int, axis_name: str,
-                 expert_fn: ExpertFn | None, exchange: Exchange,
-                 ragged: bool) -> tuple[jax.Array, MoEScratch, jax.Array]:
-    """One expert-parallel layer as one device sees it inside ``shard_map``.
+def plan_ep_layer(config: MoEConfig, local_config: MoEConfig, num_tokens: int, num_received: int, layer_params: dict,
+                  expert_fn: ExpertFn | None = None) -> tuple[LayerPlan, LayerPlan]:
+    """The plans of an expert-parallel layer on one device: ``(layer_plan, experts_plan)``.
 
-    Args:
-      layer_params: ``router`` [H, E] (replicated), ``gate_up`` [El, H, 2F], ``down`` [El, F, H]
-        (this device's experts in local index order).
-      x: [T_l, H] this device's tokens.
-      scratch: this device's receive-side ``MoEScratch`` (``local_config``).
-      ragged: the rows go out and back with ``ragged_all_to_all`` (only live rows), unless
-        ``exchange`` is not the default ``all_to_all`` (the benchmark's identity).
-
-    Returns:
-      ``(y [T_l, H] x.dtype, scratch, dropped [] int32)``: dropped counts this device's overflowed
-      routes (summed over devices once per call, outside the layer loop: no collective per layer).
+    The layer's (its ``num_tokens`` local tokens: router and shared expert) routes in XLA (the
+    routes go out before any kernel could use the scratch) and keeps its adds apart; the experts'
+    are ``plan_layer``'s for the ``num_received`` rows of the receive-side config, plain permute.
     """
-    num_local = scratch.config.num_local_experts
-    hidden = x.shape[1]
-    weights, ids = route(layer_params["router"], x, config, layer_params.get("router_bias"))
-    route_slot, send_route, send_local_id, dropped = _dispatch_plan(ids, slots, num_local, num_devices, capacity)
+    layer_plan = plan_lib.plan_layer(config, num_tokens, layer_params, expert_fn=expert_fn, router_kernel=False,
+                                     shared_in_decode_launch=False, prefetch=False, quantize_in_permute=False,
+                                     residual_in_unpermute=False)
+    experts_plan = plan_lib.plan_layer(local_config, num_received, layer_params, expert_fn=expert_fn,
+                                       router_kernel=False, shared_in_decode_launch=False, prefetch=False,
+                                       quantize_in_permute=False)
+    return layer_plan, experts_plan
 
-    # Rows to send, one per slot; empty slots are zero rows (and id -1: the receiver drops them).
-    token = jnp.maximum(send_route, 0) // config.top_k
-    send_rows = jnp.where((send_route >= 0)[:, None], x[token], jnp.zeros((), x.dtype))
-    recv_ids = exchange(send_local_id.reshape(num_devices, capacity), axis_name)
-    if ragged and exchange is all_to_all:
-        # A bucket's live slots come first (ranks 0, 1, ...): its size is its count of ids >= 0.
-        send_sizes = jnp.sum(send_local_id.reshape(num_devices, capacity) >= 0, axis=1, dtype=jnp.int32)
-        recv_sizes = jnp.sum(recv_ids >= 0, axis=1, dtype=jnp.int32)
-        rows_exchange = functools.partial(ragged_all_to_all, axis_name=axis_name)
-        recv_rows = rows_exchange(send_rows, send_sizes, recv_sizes)
-        exchange_back = lambda rows: rows_exchange(rows, recv_sizes, send_sizes)  # noqa: E731
-    else:
-        recv_rows = exchange(send_rows.reshape(num_devices, capacity, hidden), axis_name).reshape(-1, hidden)
-        exchange_back = lambda rows: exchange(rows.reshape(num_devices, capacity, hidden),  # noqa: E731
-                                              axis_name).reshape(-1, hidden)
-    recv_ids = recv_ids.reshape(-1, 1)
 
-    # The single-device layer on the received rows: one route per row, weights 1 (exact).
-    scratch = permute(recv_rows, recv_ids, lax.stop_gradient(scratch))
-    rows_out, scratch = run_experts(expert_fn, layer_params, scratch, recv_rows.shape[0])
-    recv_out = unpermute(rows_out, jnp.ones((recv_rows.shape[0], 1), jnp.float32), scratch)
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelDispatch:
+    """``pipeline.Dispatch`` over a mesh axis: each route's row goes to the device owning its expert
+    (a fixed bucket of C rows per peer) and its output comes back to the slot it left from.
 
-    back = exchange_back(recv_out)
-    # The same native weighted sum as the single-device unpermute; overflowed routes (slot -1) give 0.
-    y = unpermute_by_dest(back, weights, route_slot)
-    shared = shared_experts(layer_params, x)  # replicated weights, this device's tokens
-    if shared is not None:
-        y = y + shared
-    return y, lax.stop_gradient(scratch), dropped
+    Attributes: the global ``config`` (routing), ``slots`` [E] int32 placement, ``num_devices`` n,
+    ``capacity`` C, ``axis_name``, ``exchange`` (``all_to_all``, or the benchmark's identity),
+    ``ragged`` (only live rows travel: ``ragged_all_to_all``), ``experts_plan`` (the received rows').
+    """
+
+    config: MoEConfig
+    slots: jax.Array
+    num_devices: int
+    capacity: int
+    axis_name: str
+    exchange: Exchange
+    ragged: bool
+    experts_plan: LayerPlan
+
+    def dispatch(self, plan, layer_params, tokens, ids, scratch):
+        num_devices, capacity, axis_name, exchange = self.num_devices, self.capacity, self.axis_name, self.exchange
+        hidden = tokens.shape[1]
+        route_slot, send_route, send_local_id, dropped = _dispatch_plan(ids, self.slots, scratch.config.num_local_experts,
+                                                                        num_devices, capacity)
+        # Rows to send, one per slot; empty slots are zero rows (and id -1: the receiver drops them).
+        token = jnp.maximum(send_route, 0) // self.config.top_k
+        send_rows = jnp.where((send_route >= 0)[:, None], tokens[token], jnp.zeros((), tokens.dtype))
+        recv_ids = exchange(send_local_id.reshape(num_devices, capacity), axis_name)
+        if self.ragged and exchange is all_to_all:
+            # A bucket's live slots come first (ranks 0, 1, ...): its size is its count of ids >= 0.
+            send_sizes = jnp.sum(send_local_id.reshape(num_devices, capacity) >= 0, axis=1, dtype=jnp.int32)
+            recv_sizes = jnp.sum(recv_ids >= 0, axis=1, dtype=jnp.int32)
+            rows_exchange = functools.partial(ragged_all_to_all, axis_name=axis_name)
+            recv_rows = rows_exchange(send_rows, send_sizes, recv_sizes)
+            exchange_back = lambda rows: rows_exchange(rows, recv_sizes, send_sizes)  # noqa: E731
+        else:
+            recv_rows = exchange(send_rows.reshape(num_devices, capacity, hidden), axis_name).reshape(-1, hidden)
+            exchange_back = lambda rows: exchange(rows.reshape(num_devices, capacity, hidden),  # noqa: E731
+                                                  axis_name).reshape(-1, hidden)
+        # The single-device path on the received rows: one route per row.
+        scratch = permute(recv_rows, recv_ids.reshape(-1, 1), scratch)
+        return scratch, (route_slot, exchange_back, dropped), self.experts_plan
+
+    def combine(self, plan, rows_out, weights, scratch, state, residual, shared):
+        route_slot, exchange_back, dropped = state
+        num_received = self.num_devices * self.capacity
+        recv_out = unpermute(rows_out, jnp.ones((num_received, 1), jnp.float32), scratch)  # weights 1: exact
+        # The same native weighted sum as the single-device unpermute; overflowed routes (slot -1) give 0.
+        y = unpermute_by_dest(exchange_back(recv_out), weights, route_slot)
+        if shared is not None:
+            y = y + shared
+        return (y if residual is None else residual + y), dropped
 
 
 # --- shard_map wrappers ---------------------------------------------------------------------------
@@ -464,26 +482,29 @@ def _placed(tree, mesh, specs, axis_name):
 
 
 def _run(op, params, x, scratch, mesh, axis_name, expert_fn, exchange, stacked, unroll):
+    check_options(op, expert_fn, unroll)
     num_devices, capacity = _check_call(op, params, x, scratch, mesh, axis_name, stacked)
     config = scratch.config
     slots = placement_array(scratch.placement, config.num_experts)
-    layer = dict(config=config, num_devices=num_devices, capacity=capacity, axis_name=axis_name,
-                 expert_fn=expert_fn, exchange=exchange, ragged=scratch.ragged)
+    layer_plan, experts_plan = plan_ep_layer(config, scratch.local.config, x.shape[0] // num_devices,
+                                             num_devices * capacity, params, expert_fn)
     param_specs, token_spec = _specs(axis_name, stacked, params)
     params = {name: params[name] for name in param_specs}
     scratch_spec = jax.tree.map(lambda _: P(axis_name), scratch.local)
 
     def per_device(params, x, local):
         s = _unstack(local)
-        slot_table = jnp.asarray(slots)
+        dispatch = ExpertParallelDispatch(config, jnp.asarray(slots), num_devices, capacity, axis_name, exchange,
+                                          scratch.ragged, experts_plan)
         if not stacked:
-            y, s, dropped = _local_layer(params, x, s, slots=slot_table, **layer)
-            return y, _restack(s), dropped[None]
+            out = pipeline.run_layer(layer_plan, params, x, s, expert_fn=expert_fn, dispatch=dispatch, config=config)
+            return out.y, _restack(out.scratch), out.extra[None]
 
         def body(carry, layer_params):
             h, s = carry
-            y, s, dropped = _local_layer(layer_params, rms_norm(h), s, slots=slot_table, **layer)
-            return (h + y, s), dropped
+            out = pipeline.run_layer(layer_plan, layer_params, h, s, expert_fn=expert_fn, residual=h, pre_norm=True,
+                                     dispatch=dispatch, config=config)
+            return (out.y, out.scratch), out.extra
 
         (x, s), dropped = lax.scan(body, (x, s), params, unroll=unroll)
         return x, _restack(s), dropped[None]

@@ -1,6 +1,6 @@
 """Pure-jnp permute/unpermute: the test oracle, and the fallback when no native module loads.
 
-Same signatures and contract as ``jax_moe.permute``/``jax_moe.unpermute`` (DESIGN.md §3), except
+Same signatures and contract as ``jax_moe.permute``/``jax_moe.unpermute`` (the contract in ``jax_moe.ops``), except
 that rows of ``permuted`` past the live count come back zero (the contract leaves them unspecified),
 and that XLA may round the unpermute sum differently by an ulp (only the NumPy loop in the tests is
 a bit-exact oracle for unpermute).

@@ -10,6 +10,10 @@ Variants, chosen by the static ``MoEConfig``:
 Router math is float32. Ties go to the lower expert (or group) index, deterministically
 (``jax.lax.top_k``'s order).
 
+The CUDA router (``route_decode``, ``route_decode_normalizing``): the whole router (logits, scores,
+choice, weights) in one launch for a few tokens, the same ids as XLA's routing of its logits;
+``jax_moe.plan`` takes it at decode sizes.
+
 Training helpers: ``load_balancing_loss`` (transformers' ``load_balancing_loss_func``, the
 Mixtral/Qwen form), ``router_z_loss``, and DeepSeek-V3's auxiliary-loss-free bias update
 ``update_router_bias``, all pure functions of what ``moe_stack(..., with_aux=True)`` returns.
@@ -24,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_moe import _native
+from jax_moe import _ffi, _native
 from jax_moe.config import MoEConfig
+from jax_moe.ops import RMS_NORM_EPSILON, rms_norm
+from jax_moe.scratch import MoEScratch
 
 
 def dot_f32(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -213,3 +219,197 @@ def update_router_bias(bias: jax.Array, counts: jax.Array, rate: float) -> jax.A
     load = counts.astype(jnp.float32)
     step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
     return (bias.astype(jnp.float32) + rate * step).astype(bias.dtype)
+
+
+# --- the CUDA router ------------------------------------------------------------------------------
+
+# The CUDA decode router's limits (cuda/route_kernels.h, DecodeRouteFits).
+DECODE_ROUTE_MAX_TOKENS = 16
+DECODE_ROUTE_MAX_EXPERTS = 512
+DECODE_ROUTE_MAX_PAIRS = 4096  # T * E
+DECODE_ROUTE_MAX_TOP_K = 32
+DECODE_ROUTE_MAX_GROUPS = 32
+
+
+
+
+def decode_route_fits(config, num_tokens: int, router_dtype) -> bool:
+    """Whether ``route_decode`` runs the CUDA decode router on a GPU for these sizes: the CUDA module
+    built and ``decode_route_sizes_fit``."""
+    return _native.HAS_CUDA and decode_route_sizes_fit(config, num_tokens, router_dtype)
+
+
+def decode_route_sizes_fit(config, num_tokens: int, router_dtype) -> bool:
+    """Whether the CUDA decode router's kernel takes these sizes: bf16 tokens and router, T <= 16,
+    E <= 512 and T * E <= 4096, H and E multiples of 8, k <= min(E, 32), n_group <= 32 groups of two
+    experts or more."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    experts, groups = config.num_experts, config.n_group
+    return (jnp.dtype(config.dtype) == bf16 and jnp.dtype(router_dtype) == bf16
+            and 1 <= num_tokens <= DECODE_ROUTE_MAX_TOKENS and num_tokens * experts <= DECODE_ROUTE_MAX_PAIRS
+            and experts <= DECODE_ROUTE_MAX_EXPERTS and experts % 8 == 0 and config.hidden_size % 8 == 0
+            and config.top_k <= DECODE_ROUTE_MAX_TOP_K
+            and 1 <= groups <= DECODE_ROUTE_MAX_GROUPS and experts % groups == 0
+            and (groups == 1 or experts // groups >= 2) and 1 <= config.topk_group <= groups)
+
+
+def route_decode(router: jax.Array, x: jax.Array, scratch: MoEScratch, bias: jax.Array | None = None):
+    """``route_logits(router_logits(router, x))`` for a few tokens: ``(weights, ids, logits, scratch)``.
+
+    Args:
+      router: [H, E] the layer's router; x: [T, H] its (normalised) tokens; bias: optional [E]
+        correction added to the scores for choosing only; scratch: the shared scratch (the CUDA
+        kernel keeps its arrival counter in the workspace's last word).
+
+    Returns:
+      weights [T, k] float32, ids [T, k] int32 (``jax_moe.route_logits``'s), logits [T, E]
+      float32, and the scratch to pass on.
+
+    On a GPU within ``decode_route_fits`` one kernel (``jax_moe_decode_route``) computes the
+    logits, scores, top-k and weights where XLA runs six to ten small kernels: the same ids as
+    route_logits of the kernel's logits; logits and weights within float32 rounding of XLA's (other
+    summation orders). Elsewhere, the XLA path. Differentiable in router and x: the backward is
+    XLA's, of the weights as a function of the logits at the chosen ids (``chosen_weights``)
+    and of the logits themselves; the ids are kept, not chosen again, so the gradient is that of
+    the routing the forward took (the bias gets none, as in route_logits). Its reduction of H is a
+    chain of dependent round trips (router loads, partial sums, the arrival counter), not
+    bandwidth-bound: past a few tokens XLA's routing is faster (``jax_moe.tuning``).
+    """
+    config = scratch.config
+    bias_operand = _check_route_decode("route_decode", config, router, x, bias)
+    weights, ids, logits, workspace = _route_decode(config, bias is not None, router, x, bias_operand,
+                                                    scratch.workspace)
+    return weights, ids, logits, scratch.replace(workspace=workspace)
+
+
+def route_decode_normalizing(router: jax.Array, h: jax.Array, scratch: MoEScratch, bias: jax.Array | None = None,
+                             eps: float = RMS_NORM_EPSILON):
+    """``route_decode(router, rms_norm(h, eps), scratch, bias)`` with the norm in the router's launch:
+    ``(n, weights, ids, logits, scratch)``, n = rms_norm(h) [T, H].
+
+    For the inference stack's decode layers, where XLA runs the norm as two small kernels of their
+    own. On a GPU within ``decode_route_fits`` every block of the decode
+    router (``jax_moe_decode_route_norm``) finds its tokens' scales from the whole rows and
+    normalises the values it loads, and the blocks of the first expert tile write n. n is rms_norm's
+    to within one bf16 rounding (its float32 sum of squares is summed in another order; the
+    reciprocal square root is correctly rounded), and weights, ids and logits are bitwise
+    ``route_decode`` of that n. Elsewhere rms_norm then route_decode. Inference only: differentiating
+    it raises (differentiate rms_norm and route_decode instead).
+    """
+    config = scratch.config
+    bias_operand = _check_route_decode("route_decode_normalizing", config, router, h, bias)
+    n, weights, ids, logits, workspace = _route_decode_normalizing(config, bias is not None, float(eps), router, h,
+                                                                   bias_operand, scratch.workspace)
+    return n, weights, ids, logits, scratch.replace(workspace=workspace)
+
+
+def _check_route_decode(name: str, config, router, x, bias) -> jax.Array:
+    """ValueError unless router [H, E], x [T, H] and bias [E] (or None) fit config; the bias operand."""
+    want = {"router": (config.hidden_size, config.num_experts), "x": (jnp.shape(x)[0], config.hidden_size),
+            "bias": (config.num_experts,)}
+    for arg, value in (("router", router), ("x", x), ("bias", bias)):
+        if value is not None and tuple(jnp.shape(value)) != want[arg]:
+            raise ValueError(f"{name}: {arg}: expected shape {want[arg]} ([H, E], [T, H], [E]), "
+                             f"got {tuple(jnp.shape(value))}")
+    return jnp.zeros((1,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+
+
+def _route_in_xla(config, has_bias: bool, router, x, bias_operand):
+    """The decode router's math in XLA: ``(weights, ids, logits)`` of route_logits(router_logits(...))."""
+    logits = router_logits(router, x)
+    weights, ids = route_logits(logits, config, bias_operand if has_bias else None)
+    return weights, ids, logits
+
+
+def _route_decode_forward(config, has_bias: bool, router, x, bias_operand, workspace):
+    """route_decode's four results (the workspace last) on the kernel or XLA's path."""
+    def xla(router, x, bias_operand, workspace):
+        return (*_route_in_xla(config, has_bias, router, x, bias_operand), workspace)
+
+    if not decode_route_fits(config, x.shape[0], router.dtype):
+        return xla(router, x, bias_operand, workspace)
+
+    def native(router, x, bias_operand, workspace):
+        return _decode_route_call(config, has_bias, router, x, bias_operand, workspace)[:4]
+
+    return lax.platform_dependent(router, x, bias_operand, workspace, cuda=native, default=xla)
+
+
+def _decode_route_call(config, has_bias: bool, router, x, bias_operand, workspace, norm_eps: float | None = None):
+    """The CUDA decode router: ``(weights, ids, logits, workspace, n)``. With norm_eps, x is the
+    tokens before the norm and n = their rms_norm (``jax_moe_decode_route_norm``); else n is None."""
+    num_tokens, (hidden, experts) = x.shape[0], router.shape
+    f32 = jnp.float32
+    results = (jax.ShapeDtypeStruct((num_tokens, experts), f32), jax.ShapeDtypeStruct((num_tokens, config.top_k), f32),
+               jax.ShapeDtypeStruct((num_tokens, config.top_k), jnp.int32),
+               jax.ShapeDtypeStruct((_native.decode_route_slices(hidden), num_tokens, experts), f32),
+               jax.ShapeDtypeStruct(workspace.shape, workspace.dtype))
+    attrs = dict(has_bias=np.bool_(has_bias), sigmoid=np.bool_(config.scoring == "sigmoid"),
+                 renormalize=np.bool_(config.renormalize), renormalize_epsilon=np.float32(config.renormalize_epsilon),
+                 scaling=np.float32(config.routed_scaling_factor), n_group=np.int64(config.n_group),
+                 topk_group=np.int64(config.topk_group))
+    if norm_eps is None:
+        target = _native.DECODE_ROUTE_TARGET
+    else:
+        target = _native.DECODE_ROUTE_NORM_TARGET
+        results += (jax.ShapeDtypeStruct(x.shape, x.dtype),)
+        attrs["norm_epsilon"] = np.float32(norm_eps)
+    call = jax.ffi.ffi_call(target, results, input_output_aliases={3: 4}, vmap_method=_ffi.VMAP_METHOD)
+    out = _ffi.fence_results(call(x, router, bias_operand, workspace, **attrs))
+    logits, weights, ids, _, workspace = out[:5]
+    return weights, ids, logits, workspace, (out[5] if norm_eps is not None else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _route_decode_normalizing(config, has_bias: bool, eps: float, router, h, bias_operand, workspace):
+    def xla(router, h, bias_operand, workspace):
+        n = rms_norm(h, eps)
+        return (n, *_route_in_xla(config, has_bias, router, n, bias_operand), workspace)
+
+    if not decode_route_fits(config, h.shape[0], router.dtype):
+        return xla(router, h, bias_operand, workspace)
+
+    def native(router, h, bias_operand, workspace):
+        weights, ids, logits, workspace, n = _decode_route_call(config, has_bias, router, h, bias_operand, workspace,
+                                                                norm_eps=eps)
+        return n, weights, ids, logits, workspace
+
+    return lax.platform_dependent(router, h, bias_operand, workspace, cuda=native, default=xla)
+
+
+def _route_decode_normalizing_fwd(config, has_bias, eps, router, h, bias_operand, workspace):
+    raise ValueError("route_decode_normalizing: not differentiable (inference only); differentiate "
+                     "rms_norm then route_decode instead")
+
+
+def _route_decode_normalizing_bwd(config, has_bias, eps, residuals, cotangents):
+    raise AssertionError("unreachable: the forward raises")
+
+
+_route_decode_normalizing.defvjp(_route_decode_normalizing_fwd, _route_decode_normalizing_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _route_decode(config, has_bias: bool, router, x, bias_operand, workspace):
+    return _route_decode_forward(config, has_bias, router, x, bias_operand, workspace)
+
+
+def _route_decode_fwd(config, has_bias, router, x, bias_operand, workspace):
+    results = _route_decode_forward(config, has_bias, router, x, bias_operand, workspace)
+    return results, (router, x, results[1])
+
+
+def _route_decode_bwd(config, has_bias, residuals, cotangents):
+    router, x, ids = residuals
+    d_weights, _, d_logits, _ = cotangents
+
+    def routed(router, x):
+        logits = router_logits(router, x)
+        return chosen_weights(scores_from_logits(logits, config), ids, config), logits
+
+    _, vjp = jax.vjp(routed, router, x)
+    d_router, d_x = vjp((d_weights, d_logits))
+    return d_router, d_x, None, None
+
+
+_route_decode.defvjp(_route_decode_fwd, _route_decode_bwd)

@@ -1,24 +1,21 @@
-"""The pre-norm residual stack's math, and its training path on the grouped GEMMs.
+"""``moe_stack``: L pre-norm residual MoE layers in one ``lax.scan``, and its training path.
 
-``rms_norm`` is the stack's normalisation. ``grouped_stack`` is ``moe_stack`` when the experts run
-on the CUDA grouped GEMMs (the default SwiGLU on a GPU): the same forward as a ``lax.scan`` of
-``moe_layer``, differentiated as a whole by one ``jax.custom_vjp`` instead of by JAX's transpose
-of the scan.
+Each layer is ``x = x + moe_layer(params[l], rms_norm(x), scratch)``, run by
+``jax_moe.pipeline.run_layer`` with the scratch in the scan's carry: the compiled program holds
+one scratch however deep the stack, and a jitted step that donates it gets it back in the same
+buffers.
 
-On a GPU the activations the forward keeps for the backward ride in the gate/up weight
-gradient's own buffer when they fit (``saved_in_gradient``): layer l's slice of that stack is
-written only by layer l's backward, after it has read them. The gate/up GEMM of the forward stores
-its product there itself, and the backward's activation kernel reads it there: neither copies it.
-The step then holds no activation stack next to the gradients, as PyTorch's eager backward frees
-each layer's activations as it allocates its gradients.
-
-Why: the transpose of a scan collects each layer's parameter gradients as the loop's stacked
-outputs, and JAX starts those from zeros: a fill of every weight gradient (a fifth of a
-Qwen3-30B training step), and each layer's gradient is a buffer of its own, copied into the stack
-(XLA's slice fusion does not take a GEMM whose operand is already a slice). Here the stacked
-gradients, and the activations the forward saves, start as ``ops.uninitialized`` buffers that the
-loops write one layer's slice at a time: every element is written exactly once, each weight
-gradient by its GEMM straight into its slice (``gemm.weight_grad_into``).
+On the CUDA bf16 grouped GEMMs (``plan.experts == "grouped_gemm"``) the stack is differentiated as
+a whole by one ``jax.custom_vjp`` (``grouped_stack``) instead of JAX's transpose of the scan. The
+transpose of a scan collects each layer's parameter gradients as the loop's stacked outputs and
+starts those from zeros (a fill of every weight gradient), each layer's gradient a buffer of its
+own copied into the stack. Here the stacked gradients, and the activations the forward saves, start
+as ``_ffi.uninitialized`` buffers that the loops write one layer's slice at a time: every element is
+written exactly once, each weight gradient by its GEMM straight into its slice
+(``gemm.weight_grad_into``). On a GPU the saved activations ride in the gate/up weight gradient's
+own buffer when they fit (``plan.activations_in_gradient``, ``saved_in_gradient``): layer l's slice
+is written only by layer l's backward, after it has read them, so the step holds no activation
+stack beside the gradients.
 """
 
 from __future__ import annotations
@@ -31,30 +28,26 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_moe import gemm, ops, routing
+from jax_moe import _ffi, _validate, gemm, ops, params as params_lib, pipeline, plan as plan_lib, routing
 from jax_moe.config import MoEConfig
-from jax_moe.experts import (gate_up_to_prefetch, shared_experts, shared_rides_decode, swiglu_decode_with_shared,
-                             swiglu_grouped_forward, swiglu_grouped_grad_but_gate_up)
+from jax_moe.experts import ExpertFn, shared_experts, swiglu_grouped_grad_but_gate_up
 from jax_moe.ops import rms_norm  # noqa: F401 (the stack's norm, public here as before)
+from jax_moe.plan import LayerPlan
 from jax_moe.scratch import MoEScratch
 
 EXPERT_WEIGHTS = ("gate_up", "down")
-# Inference at decode: the router's launch normalises the tokens (ops.route_decode_normalizing), where
-# XLA ran the norm in two kernels of its own. False: XLA's norm, then ops.route_decode (for measuring).
-DECODE_ROUTER_NORMALIZES = True
 
 
-def _dense(small: dict, h: jax.Array, config: MoEConfig, with_shared: bool = True):
-    """A layer's dense part from its input h [T, H]: ``((n, weights, logits, shared), ids)``.
-
-    n = rms_norm(h) [T, H]; the router's logits [T, E] float32, weights [T, k] float32 and ids
-    [T, k] int32; the shared expert's output [T, H] (None without one, or without with_shared).
-    ``small``: the layer's params other than the expert weights.
+def _dense(small: dict, h: jax.Array, config: MoEConfig, plan: LayerPlan):
+    """A layer's dense part from its input h [T, H], recomputed by the backward for its vjp:
+    ``((n, weights, logits, shared), ids)``. n = rms_norm(h); the router's logits [T, E] float32,
+    weights [T, k] float32 and ids [T, k] int32 (as the training forward's XLA router chose them);
+    the shared expert's output [T, H] or None. ``small``: the params other than the expert weights.
     """
     n = rms_norm(h)
     logits = routing.router_logits(small["router"], n)
     weights, ids = routing.route_logits(logits, config, small.get("router_bias"))
-    return (n, weights, logits, shared_experts(small, n) if with_shared else None), ids
+    return (n, weights, logits, shared_experts(small, n, plan)), ids
 
 
 def _split(layer_params: dict) -> tuple[dict, jax.Array, jax.Array]:
@@ -76,20 +69,17 @@ def _saved_shapes(config: MoEConfig, num_tokens: int, ffn_size: int):
 
 _ACTIVATIONS = 2  # the first two saved arrays (h, hidden), of config.dtype
 
-# Backends where the activations ride in the gate/up gradient (tests add "cpu"). XLA:GPU compiles
-# both loops without a copy of the stack (a GPU test checks the optimized HLO); XLA:CPU copies the
-# whole stack in each loop's body (jaxlib 0.10.2), so there they keep stacks of their own.
-PACK_BACKENDS = ("gpu",)
 
-
-def _packing(config: MoEConfig, num_tokens: int, gate_up_shape, gate_up_dtype):
+def _packing(config: MoEConfig, num_tokens: int, gate_up_shape, gate_up_dtype, allowed: bool = True):
     """Where each saved activation starts in a layer's flattened gate/up gradient slice, or None.
 
-    None when they do not fit in it or the gradient's dtype is not the activations' (float32
-    master weights with bf16 activations): they then get stacks of their own.
+    None when not ``allowed`` (``plan.activations_in_gradient``: XLA:GPU compiles both loops
+    without a copy of the stack, XLA:CPU copies the whole stack in each loop's body), when they do
+    not fit in it, or when the gradient's dtype is not the activations' (float32 master weights
+    with bf16 activations): they then get stacks of their own.
     """
     shapes = _saved_shapes(config, num_tokens, gate_up_shape[-1] // 2)[:_ACTIVATIONS]
-    if jax.default_backend() not in PACK_BACKENDS or jnp.dtype(gate_up_dtype) != jnp.dtype(config.dtype):
+    if not allowed or jnp.dtype(gate_up_dtype) != jnp.dtype(config.dtype):
         return None
     sizes = [math.prod(shape) for shape, _ in shapes]
     if sum(sizes) > math.prod(gate_up_shape[1:]):
@@ -97,62 +87,14 @@ def _packing(config: MoEConfig, num_tokens: int, gate_up_shape, gate_up_dtype):
     return tuple(itertools.accumulate([0] + sizes[:-1]))
 
 
-def saved_in_gradient(config: MoEConfig, num_tokens: int, gate_up_shape, gate_up_dtype) -> bool:
+def saved_in_gradient(config: MoEConfig, num_tokens: int, gate_up_shape, gate_up_dtype, allowed: bool = True) -> bool:
     """Whether ``grouped_stack``'s backward finds the saved activations in the gate/up gradient.
 
     True when a layer's input [T, H] and gate/up product [R, 2F] (R = ``live_row_bound(T)``) fit
     in one layer's gate/up gradient [El, H, 2F] of the activations' dtype: about T <= El * H / k
     (Qwen3-30B-A3B: T <= 28,000; DeepSeek-V3: 200,000).
     """
-    return _packing(config, num_tokens, gate_up_shape, gate_up_dtype) is not None
-
-
-def _layer_forward(layer_params: dict, h: jax.Array, scratch: MoEScratch, keep: bool, hidden_into=None):
-    """One layer: ``(h + y, scratch, logits [T, E], ids [T, k], saved)`` (``saved`` as _saved_shapes,
-    None unless ``keep``). hidden_into: ``swiglu_grouped_forward``'s; saved then holds the stack
-    it returns in hidden's place."""
-    config = scratch.config
-    num_tokens = h.shape[0]
-    small, gate_up, down = _split(layer_params)
-    num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
-    tile = gemm.pick_tile(num_rows, config.num_local_experts, group_rows)
-    # Inference at decode: the shared expert streams in the routed experts' launches.
-    fuse_shared = not keep and shared_rides_decode(small, h, tile)
-    route_kernel = (num_tokens <= ops.DECODE_ROUTE_TOKENS
-                    and ops.decode_route_fits(config, num_tokens, small["router"].dtype))
-    if keep or not route_kernel:
-        (n, weights, logits, shared), ids = _dense(small, h, config, with_shared=not fuse_shared)
-    else:
-        # Inference at T <= ops.DECODE_ROUTE_TOKENS: the norm and the router in one kernel. (A training
-        # forward routes in XLA: its backward recomputes that routing, and must find the same ids.)
-        if DECODE_ROUTER_NORMALIZES:
-            n, weights, ids, logits, scratch = ops.route_decode_normalizing(small["router"], h, scratch,
-                                                                            small.get("router_bias"))
-        else:
-            n = rms_norm(h)
-            weights, ids, logits, scratch = ops.route_decode(small["router"], n, scratch, small.get("router_bias"))
-        shared = None if fuse_shared else shared_experts(small, n)
-    # Inference on the decode kernel: the permute's launch starts the gate/up weights towards L2.
-    prefetch = None if keep else gate_up_to_prefetch(None, layer_params, config, num_tokens)
-    scratch = ops.permute(n, ids, scratch, prefetch=prefetch)
-    offsets = scratch.expert_offsets
-    gate_up, down = gate_up.astype(config.dtype), down.astype(config.dtype)
-    if fuse_shared:
-        out_rows, shared, workspace = swiglu_decode_with_shared(scratch.permuted, gate_up, down, offsets,
-                                                                scratch.workspace, num_rows, group_rows, small, n)
-        hidden = None
-    else:
-        out_rows, workspace, hidden = swiglu_grouped_forward(
-            scratch.permuted, gate_up, down, offsets, scratch.workspace,
-            num_rows, tile, keep_hidden=keep, group_rows=group_rows, hidden_into=hidden_into)
-    saved = None
-    if keep:
-        y = ops.unpermute(out_rows, weights, scratch)
-        h_out = h + (y if shared is None else y + shared)
-        saved = (h, hidden, scratch.dest_index[:num_tokens], offsets)
-    else:  # inference: the adds in unpermute's launch
-        h_out = ops.unpermute_add(out_rows, weights, scratch, h, shared)
-    return h_out, scratch.replace(workspace=workspace), logits, ids, saved
+    return _packing(config, num_tokens, gate_up_shape, gate_up_dtype, allowed) is not None
 
 
 def _set_layer(stacks, layer, values):
@@ -160,37 +102,42 @@ def _set_layer(stacks, layer, values):
     return jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(s, v.astype(s.dtype), layer, 0), stacks, values)
 
 
-def _forward(params, tokens, scratch: MoEScratch, unroll, with_aux: bool, keep: bool):
+def _forward(params, tokens, scratch: MoEScratch, plan: LayerPlan, unroll, with_aux: bool, keep: bool):
     """The scanned forward: ``(out, scratch, aux or None, saved or None)``.
 
-    ``saved`` (``keep``): ``(carrier, stacks)``, the gate/up-gradient-shaped buffer holding the
-    activations (None when they do not fit, ``_packing``) and the stacks of what it does not hold.
+    ``keep`` (a training forward, ``plan`` its ``for_training()``): ``saved`` is ``(carrier,
+    stacks)``, the gate/up-gradient-shaped buffer holding the activations (None when they do not
+    fit, ``_packing``) and the stacks of what it does not hold.
     """
     config = scratch.config
     num_layers = params["router"].shape[0]
     saved = None
     if keep:
         shapes = _saved_shapes(config, tokens.shape[0], params["down"].shape[-2])
-        starts = _packing(config, tokens.shape[0], params["gate_up"].shape, params["gate_up"].dtype)
-        carrier = None if starts is None else ops.uninitialized(params["gate_up"].shape, params["gate_up"].dtype)
+        starts = _packing(config, tokens.shape[0], params["gate_up"].shape, params["gate_up"].dtype,
+                          plan.activations_in_gradient)
+        carrier = None if starts is None else _ffi.uninitialized(params["gate_up"].shape, params["gate_up"].dtype)
         stacked = shapes if starts is None else shapes[_ACTIVATIONS:]
-        saved = (carrier, tuple(ops.uninitialized((num_layers,) + shape, dtype) for shape, dtype in stacked))
+        saved = (carrier, tuple(_ffi.uninitialized((num_layers,) + shape, dtype) for shape, dtype in stacked))
 
     def body(carry, xs):
         h, s, saved = carry
         layer, layer_params = xs
-        hidden_into = None
-        if keep and saved[0] is not None:
+        keep_hidden = None
+        if keep:
             # The layer's input goes in first; its gate/up GEMM then stores its product straight
             # into the same slice (no copy of either afterwards).
-            hidden_into = (ops.write_into(saved[0], layer, h, starts[0]), layer, starts[1])
-        h, s, logits, ids, layer_saved = _layer_forward(layer_params, h, s, keep, hidden_into)
+            keep_hidden = True if saved[0] is None else (_ffi.write_into(saved[0], layer, h, starts[0]), layer,
+                                                         starts[1])
+        out = pipeline.run_layer(plan, layer_params, h, s, residual=h, pre_norm=True, keep_hidden=keep_hidden)
         if keep:
             carrier, stacks = saved
+            layer_saved = (h, out.hidden, out.scratch.dest_index[:h.shape[0]], out.scratch.expert_offsets)
             if carrier is not None:
-                carrier = layer_saved[1]
+                carrier = out.hidden  # the stack the gate/up GEMM wrote into
                 layer_saved = layer_saved[_ACTIVATIONS:]
             saved = (carrier, _set_layer(stacks, layer, layer_saved))
+        h, s, logits, ids = out.y, out.scratch, out.logits, out.ids
         aux = {"router_logits": logits, "expert_counts": routing.expert_counts(ids, config.num_experts)}
         return (h, s, saved), (aux if with_aux else None)
 
@@ -199,31 +146,32 @@ def _forward(params, tokens, scratch: MoEScratch, unroll, with_aux: bool, keep: 
     return out, scratch, aux, saved
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _stack(params, tokens, scratch, config, unroll, with_aux):
-    out, scratch, aux, _ = _forward(params, tokens, scratch, unroll, with_aux, keep=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _stack(params, tokens, scratch, config, plan, unroll, with_aux):
+    out, scratch, aux, _ = _forward(params, tokens, scratch, plan, unroll, with_aux, keep=False)
     return out, scratch, aux
 
 
-def _stack_fwd(params, tokens, scratch, config, unroll, with_aux):
-    out, scratch, aux, saved = _forward(params, tokens, scratch, unroll, with_aux, keep=True)
+def _stack_fwd(params, tokens, scratch, config, plan, unroll, with_aux):
+    out, scratch, aux, saved = _forward(params, tokens, scratch, plan.for_training(), unroll, with_aux, keep=True)
     return (out, scratch, aux), (params, saved)  # the params by reference, the saved stacks
 
 
-def _stack_bwd(config, unroll, with_aux, residuals, cotangents):
+def _stack_bwd(config, plan, unroll, with_aux, residuals, cotangents):
     params, (carrier, stacks) = residuals
     d_out, _, d_aux = cotangents
+    plan = plan.for_training()
     num_layers = params["router"].shape[0]
     num_tokens = d_out.shape[0]
     num_rows = config.live_row_bound(num_tokens)
-    tile = gemm.pick_tile(num_rows, config.num_local_experts, config.group_row_bound(num_tokens))
-    grads = {name: ops.uninitialized(a.shape, a.dtype) for name, a in params.items() if name != "gate_up"}
+    tile = plan.tile
+    grads = {name: _ffi.uninitialized(a.shape, a.dtype) for name, a in params.items() if name != "gate_up"}
     # The gate/up gradient starts as the buffer holding the activations: each layer's slice is
     # read below before that layer's weight-gradient GEMM overwrites it.
-    grads["gate_up"] = ops.uninitialized(params["gate_up"].shape, params["gate_up"].dtype) if carrier is None \
+    grads["gate_up"] = _ffi.uninitialized(params["gate_up"].shape, params["gate_up"].dtype) if carrier is None \
         else carrier
     shapes = _saved_shapes(config, num_tokens, params["down"].shape[-2])
-    starts = _packing(config, num_tokens, params["gate_up"].shape, params["gate_up"].dtype)
+    starts = _packing(config, num_tokens, params["gate_up"].shape, params["gate_up"].dtype, plan.activations_in_gradient)
     d_logits = d_aux["router_logits"] if with_aux else None
 
     def body(carry, xs):
@@ -234,12 +182,12 @@ def _stack_bwd(config, unroll, with_aux, residuals, cotangents):
             hidden_at = None
         else:  # hidden is read where it is by the activation's backward
             h_shape, h_dtype = shapes[0]
-            h, hidden = ops.read_from(grads["gate_up"], layer, h_shape, starts[0], h_dtype), None
+            h, hidden = _ffi.read_from(grads["gate_up"], layer, h_shape, starts[0], h_dtype), None
             hidden_at = (grads["gate_up"], layer, starts[1])
             dest, offsets = layer_stacks
         small, gate_up, down = _split(layer_params)
-        (n, weights, logits, shared), dense_vjp, _ = jax.vjp(lambda h, small: _dense(small, h, config), h, small,
-                                                             has_aux=True)
+        (n, weights, logits, shared), dense_vjp, _ = jax.vjp(lambda h, small: _dense(small, h, config, plan), h,
+                                                             small, has_aux=True)
         src = ops.invert_dest(dest, num_rows)  # each row's route, for the gathers below
         # y = h + sum_j w[t, j] out[dest[t, j]] (+ shared): d y = d h reaches each route's output
         # rows unweighted here; the experts' backward applies the weights and gives their gradient.
@@ -271,15 +219,17 @@ def _stack_bwd(config, unroll, with_aux, residuals, cotangents):
 _stack.defvjp(_stack_fwd, _stack_bwd)
 
 
-def grouped_stack(params: dict, tokens: jax.Array, scratch: MoEScratch, *, unroll: int | bool = 1,
-                  with_aux: bool = False):
-    """``moe_stack`` on the grouped GEMMs with a hand-written backward (no argument checks).
+def grouped_stack(params: dict, tokens: jax.Array, scratch: MoEScratch, plan: LayerPlan, *,
+                  unroll: int | bool = 1, with_aux: bool = False):
+    """``moe_stack`` on the bf16 grouped GEMMs with a hand-written backward (no argument checks).
 
     Args:
       params: stacked layer params (``init_moe_params``), SwiGLU experts ``gate_up`` [L, El, H, 2F]
         and ``down`` [L, El, F, H].
       tokens: [T, H] of ``scratch.config.dtype``.
       scratch: the one ``MoEScratch``, threaded through the layers (state: no gradient).
+      plan: the layers' kernels (``plan.experts == "grouped_gemm"``); the training forward and the
+        backward run its ``for_training()``.
       unroll: as ``lax.scan``'s, for both the forward and the backward loop.
       with_aux: also return ``{"router_logits": [L, T, E] float32, "expert_counts": [L, E] int32}``.
 
@@ -292,5 +242,72 @@ def grouped_stack(params: dict, tokens: jax.Array, scratch: MoEScratch, *, unrol
       from the down projection's input gradient (no expert outputs kept); and writes every
       parameter gradient into its slice of a stacked buffer that nothing fills first.
     """
-    out, scratch, aux = _stack(params, tokens, lax.stop_gradient(scratch), scratch.config, unroll, with_aux)
+    out, scratch, aux = _stack(params, tokens, lax.stop_gradient(scratch), scratch.config, plan, unroll, with_aux)
     return out, lax.stop_gradient(scratch), aux
+
+
+def _scan_layers(params, tokens, scratch, plan: LayerPlan, unroll, expert_fn, with_aux):
+    """The stack as a ``lax.scan`` of ``run_layer``, differentiated by JAX."""
+    def body(carry, layer_params):
+        h, s = carry
+        out = pipeline.run_layer(plan, layer_params, h, s, expert_fn=expert_fn, residual=h, pre_norm=True)
+        aux = {"router_logits": out.logits, "expert_counts": routing.expert_counts(out.ids, s.config.num_experts)}
+        return (out.y, out.scratch), (aux if with_aux else None)
+
+    return lax.scan(body, (tokens, scratch), params, unroll=unroll)
+
+
+def moe_stack(params: dict, x: jax.Array, scratch: MoEScratch, *, unroll: int | bool = 1,
+              expert_fn: ExpertFn | None = None, with_aux: bool = False, plan: LayerPlan | None = None,
+              mesh=None, axis_name: str | None = None):
+    """L pre-norm residual MoE layers as one ``lax.scan`` with the scratch in the carry.
+
+    Each layer computes ``x = x + moe_layer(params[l], rms_norm(x), scratch)``.
+
+    Args:
+      params: ``init_moe_params`` output (or ``jax_moe.hf.load_moe``'s), leaves stacked on a
+        leading layer axis L.
+      x: [..., H] of ``scratch.config.dtype`` (leading batch axes flattened inside, restored); at
+        most ``config.max_tokens`` tokens in all.
+      scratch: the ONE ``MoEScratch`` shared by all layers. Donate it to the enclosing ``jax.jit``
+        (``donate_argnums``) to have it written in place and returned in the same buffers; in a
+        training step return it through ``value_and_grad``'s ``has_aux``.
+      unroll: passed to ``lax.scan`` (an int, or True for a fully unrolled loop).
+      expert_fn: as in ``moe_layer``.
+      with_aux: also return every layer's router signals, stacked.
+      plan: the kernels of every layer (``jax_moe.plan_layer(config, T, params)``, the default).
+
+    On the CUDA bf16 grouped GEMMs the stack is differentiated as a whole by a hand-written
+    backward (``grouped_stack``) that writes every weight gradient straight into its layer's slice
+    of the stacked gradient: no zero fill, no per-layer copy. Otherwise JAX differentiates the scan.
+
+    Returns:
+      ``(x_out, scratch)``: x_out of x's shape and dtype, and the scratch to pass to the next step.
+      With ``with_aux``: ``(x_out, scratch, aux)``, aux = ``{"router_logits": [L, T, E] float32,
+      "expert_counts": [L, E] int32}`` (feed ``jax_moe.routing.load_balancing_loss``,
+      ``router_z_loss``, ``update_router_bias``).
+
+    Expert parallel: ``jax_moe.moe_stack_ep``.
+    """
+    op = "moe_stack"
+    params_lib.moved_to_parallel(op, mesh, axis_name)
+    params_lib.check_options(op, expert_fn, unroll)
+    _validate.check_scratch(op, scratch)
+    config = scratch.config
+    params_lib.check_layer_params(op, params, config, stacked=True)
+    tokens = params_lib.flat_tokens(op, x, config)
+    plan = (plan_lib.plan_layer(config, tokens.shape[0], params, expert_fn=expert_fn) if plan is None
+            else plan_lib.check_plan(op, plan, tokens.shape[0]))
+    try:
+        if expert_fn is None and plan.experts == "grouped_gemm":
+            tokens, scratch, aux = grouped_stack(params, tokens, scratch, plan, unroll=unroll, with_aux=with_aux)
+        else:
+            (tokens, scratch), aux = _scan_layers(params, tokens, scratch, plan, unroll, expert_fn, with_aux)
+    except NotImplementedError as error:  # ragged_dot's batching rule inside the scan
+        if "vmap" not in str(error):
+            raise
+        raise ValueError(f"{op}: x: jax.vmap of moe_stack is not supported (the layers' grouped GEMMs cannot be "
+                         f"batched inside its scan); moe_stack takes the batch itself: pass x with the batch as "
+                         f"leading axes, [B, T, H], instead of vmapping over it") from None
+    out = jnp.reshape(tokens, jnp.shape(x))
+    return (out, scratch, aux) if with_aux else (out, scratch)

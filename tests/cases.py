@@ -321,22 +321,23 @@ def routed_scratch(config, num_tokens: int, ids=None, seed: int = 0):
     return jax.jit(permute)(x, jnp.asarray(ids, jnp.int32), init_scratch(config))
 
 
-def scaled_normal(key, shape, fan_in: int, dtype="bfloat16", quantize: bool = False):
+def scaled_normal(key, shape, fan_in: int, dtype="bfloat16", quantize: bool = False, max_whole_bytes=None):
     """Standard normal draws / sqrt(fan_in) of ``shape``, in ``dtype``; with ``quantize``, the
     float32 draws as ``jax_moe.fp8.quantize`` gives them: ``(e4m3 weights, float32 block scales)``.
-    Past ``jax_moe.layers.WHOLE_DRAW_MAX_BYTES`` of float32 (DeepSeek-V3's gate/up drawn whole makes
+    Past ``max_whole_bytes`` (default ``jax_moe.params.WHOLE_DRAW_MAX_BYTES``) of float32 (DeepSeek-V3's gate/up drawn whole makes
     28 GiB arrays, which an 80 GB card does not hold beside a test), one draw per expert matrix
-    from split keys (``layers.draw_by_matrix``: other values, the same distribution; FP8 blocks
+    from split keys (``params.draw_by_matrix``: other values, the same distribution; FP8 blocks
     never span two experts, so the layout is the whole draw's). Imports jax on first use."""
     import jax
     import jax.numpy as jnp
-    from jax_moe import fp8, layers
+    from jax_moe import fp8, params
 
     def draw(k, shape):  # eager when whole: the division op by op, as the tests always drew (bit for bit)
         w = jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)
         return jax.jit(fp8.quantize)(w) if quantize else w.astype(dtype)
 
-    return layers.draw_by_matrix(key, tuple(shape), draw)
+    limit = params.WHOLE_DRAW_MAX_BYTES if max_whole_bytes is None else max_whole_bytes
+    return params.draw_by_matrix(key, tuple(shape), draw, limit)
 
 
 def fp8_swiglu_weights(keys, num_experts: int, hidden: int, ffn: int, shared_ffn: int):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moe import MoEConfig
-from jax_moe.layers import init_moe_params
+from jax_moe import init_moe_params
 
 AXIS = "ep"
 E, K, H, F, L, TOKENS_PER_PROCESS = 8, 2, 32, 16, 2, 4

@@ -38,7 +38,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jax_moe import MoEConfig, init_scratch, permute, unpermute  # noqa: E402
 from jax_moe import parallel as ep  # noqa: E402
-from jax_moe.layers import init_moe_params, moe_layer, moe_stack, rms_norm, route, swiglu_experts  # noqa: E402
+from jax_moe import init_moe_params, moe_layer, moe_stack  # noqa: E402
+from jax_moe.experts import swiglu_experts  # noqa: E402
+from jax_moe.ops import rms_norm  # noqa: E402
+from jax_moe.routing import route  # noqa: E402
 from jax_moe.scratch import BUFFER_NAMES  # noqa: E402
 
 E, K, H, F, L = 16, 2, 64, 32, 3

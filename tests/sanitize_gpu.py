@@ -83,7 +83,7 @@ for num_tokens in (24, 3000, 12000):
     live_bound = config.live_row_bound(num_tokens)
     into, _ = jax.jit(jax_moe.gemm.forward_into, static_argnums=(4, 5, 8))(
         scratch.permuted, w, scratch.expert_offsets, jax_moe.gemm.backward_workspace(64), live_bound,
-        jax_moe.gemm.pick_tile(live_bound, 64), jax.numpy.ones((3, 16 + live_bound * 512 + 8), w.dtype), np.int32(1),
+        jax_moe.plan.pick_tile(live_bound, 64), jax.numpy.ones((3, 16 + live_bound * 512 + 8), w.dtype), np.int32(1),
         16)
     into = np.asarray(into, np.float32)
     print("forward_into: outside untouched", bool((into[0] == 1).all() and (into[2] == 1).all()
@@ -134,7 +134,7 @@ for num_tokens, ffn, hidden_size in ((1, 96, 264), (40, 1024, 264), (1, 768, 204
     # row tiles, the scratch's workspace.
     q, scale_inv = jax.jit(jax_moe.fp8.quantize)(rng.standard_normal((16, 256, 256)) / 16)
     rows = scratch.permuted[:, :256]
-    for tile in jax_moe.gemm.FP8_TILE_ROWS:
+    for tile in jax_moe.plan.FP8_TILE_ROWS:
         fp8_out, _ = jax.jit(lambda r, q, s, o, ws: jax_moe.gemm.fp8_forward(r, q, s, o, ws, config.capacity, tile))(
             rows, q, scale_inv, scratch.expert_offsets, scratch.workspace)
         print("fp8 T", num_tokens, "tile", tile, "finite", bool(np.isfinite(np.asarray(fp8_out, np.float32)).all()),
@@ -221,12 +221,12 @@ for num_tokens, experts, hidden_size, extra in ((1, 128, 2048, {}), (12, 256, 71
     router = (rng.standard_normal((hidden_size, experts)) / 64).astype(jax.numpy.bfloat16)
     x = rng.standard_normal((num_tokens, hidden_size)).astype(jax.numpy.bfloat16)
     bias = rng.standard_normal(experts).astype(np.float32) / 8 if extra else None
-    weights, ids, logits, scratch = jax.jit(jax_moe.ops.route_decode)(router, x, jax_moe.init_scratch(config), bias)
+    weights, ids, logits, scratch = jax.jit(jax_moe.routing.route_decode)(router, x, jax_moe.init_scratch(config), bias)
     print("decode route T", num_tokens, "E", experts, "ids in range", bool(((np.asarray(ids) >= 0)
           & (np.asarray(ids) < experts)).all()), "weights finite", bool(np.isfinite(np.asarray(weights)).all()),
           "counter zero", int(scratch.workspace[-1]) == 0)
     # The same router normalising its tokens first (the inference stack's decode layers).
-    n, weights, ids, logits, scratch = jax.jit(jax_moe.ops.route_decode_normalizing)(
+    n, weights, ids, logits, scratch = jax.jit(jax_moe.routing.route_decode_normalizing)(
         router, (x * 3).astype(x.dtype), jax_moe.init_scratch(config), bias)
     print("decode route normalizing T", num_tokens, "E", experts, "ids in range", bool(((np.asarray(ids) >= 0)
           & (np.asarray(ids) < experts)).all()), "n finite", bool(np.isfinite(np.asarray(n, np.float32)).all()),

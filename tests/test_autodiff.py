@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jax_moe import MoEConfig, init_scratch, layers, permute, reference, unpermute
+from jax_moe import MoEConfig, init_scratch, ops, permute, reference, routing, unpermute
 from jax_moe.baseline import baseline_moe_layer, baseline_moe_stack
-from jax_moe.layers import init_moe_params, moe_layer, moe_stack
+from jax_moe import init_moe_params, moe_layer, moe_stack
 from jax_moe.scratch import BUFFER_NAMES
 
 OPS_CONFIG = MoEConfig(num_experts=4, top_k=2, hidden_size=8, max_tokens=6, dtype=jnp.float32, align=2)
@@ -105,8 +105,8 @@ def _stack_routes(params, x, config):
     h, scratch, routes = x, init_scratch(config), []
     for layer in range(params["router"].shape[0]):
         layer_params = jax.tree.map(lambda a: a[layer], params)
-        routes.append(layers.route(layer_params["router"], layers.rms_norm(h), config)[1])
-        y, scratch = moe_layer(layer_params, layers.rms_norm(h), scratch)
+        routes.append(routing.route(layer_params["router"], ops.rms_norm(h), config)[1])
+        y, scratch = moe_layer(layer_params, ops.rms_norm(h), scratch)
         h = h + y
     return jnp.stack(routes)
 
@@ -149,7 +149,7 @@ def test_moe_layer_numerical_gradient(overrides, full_f32_matmuls):
     scratch = init_scratch(config)
     cot = jax.random.normal(jax.random.key(7), x.shape)
     loss = lambda p, x: jnp.sum(moe_layer(p, x, scratch)[0] * cot)
-    route = jax.jit(lambda p, x: layers.route(p["router"], x, config)[1])
+    route = jax.jit(lambda p, x: routing.route(p["router"], x, config)[1])
     routes = lambda p, x: np.asarray(route(p, x))
     assert _check_directional_derivative(loss, (layer_params, x), routes) >= 3
     # The expert weights do not move the routing: check_grads applies as is.

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_moe
-from jax_moe import MoEConfig, gemm, init_scratch, permute, unpermute
+from jax_moe import MoEConfig, gemm, init_scratch, permute, plan, unpermute
 from jax_moe.baseline import baseline_moe_stack
 from jax_moe.bench.models import MODELS
 from cases import GROUPED_GEMM_EDGE_CASES, cases, grouped_gemm_edge_case, scaled_normal
@@ -232,12 +232,12 @@ def test_rows_by_route_is_permutes_rows():
 def test_write_into_and_read_from_round_trip():
     stack = jnp.arange(3 * 40, dtype=jnp.float32).reshape(3, 5, 8)
     value = -jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
-    out = jax_moe.ops.write_into(stack, jnp.int32(1), value, 16)
+    out = jax_moe._ffi.write_into(stack, jnp.int32(1), value, 16)
     flat = np.asarray(out).reshape(3, 40)
     assert (flat[1, 16:28] == np.asarray(value).reshape(-1)).all()
     assert (np.delete(flat, np.s_[16:28], axis=1)[1] == np.delete(np.arange(40, 80), np.s_[16:28])).all()
     assert (flat[0] == np.arange(40)).all() and (flat[2] == np.arange(80, 120)).all()
-    back = jax_moe.ops.read_from(out, jnp.int32(1), (3, 4), 16, jnp.bfloat16)
+    back = jax_moe._ffi.read_from(out, jnp.int32(1), (3, 4), 16, jnp.bfloat16)
     assert back.dtype == jnp.bfloat16 and (np.asarray(back, np.float32) == np.asarray(value)).all()
 
 
@@ -256,6 +256,16 @@ def test_into_offsets_are_checked_at_trace_time():
         gemm.swiglu_backward(jnp.zeros((2, 100), BF16), jnp.zeros((4, 8), BF16), layer=0, offset=40)
 
 
+def _grouped_plan(config, num_tokens, params):
+    """``plan_layer``'s plan with the experts on the bf16 grouped GEMMs, as on a GPU (on CPU their
+    fallbacks run: ragged_dot)."""
+    num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
+    tile = plan.pick_tile(num_rows, config.num_local_experts, group_rows)
+    rows_per_pass = plan.decode_rows_per_pass(num_rows, config.num_local_experts, group_rows) if tile == "decode" else 0
+    return jax_moe.plan_layer(config, num_tokens, params).replace(experts="grouped_gemm", tile=tile,
+                                                                  decode_rows_per_pass=rows_per_pass)
+
+
 def test_saved_in_gradient_bounds():
     """The activations go in the gate/up gradient exactly while T*H + R*2F <= El*H*2F, and never
     into a gradient of another dtype."""
@@ -263,13 +273,11 @@ def test_saved_in_gradient_bounds():
     config = MoEConfig(num_experts=2, top_k=2, hidden_size=32, max_tokens=64, dtype=jnp.float32)
     shape = (3, 2, 32, 48)  # El * H * 2F = 3072 per layer; per token: H + k * 2F = 128
 
-    def packed(tokens, dtype=jnp.float32, backends=("cpu", "gpu")):
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(stack, "PACK_BACKENDS", backends)
-            return stack.saved_in_gradient(config, tokens, shape, dtype)
+    def packed(tokens, dtype=jnp.float32, allowed=True):
+        return stack.saved_in_gradient(config, tokens, shape, dtype, allowed)
     assert packed(24) and not packed(25)
     assert not packed(24, jnp.bfloat16)
-    assert not packed(24, backends=())
+    assert not packed(24, allowed=False)
 
 
 # The whole stack's hand-written backward (jax_moe.stack.grouped_stack) on CPU, its GEMMs on the
@@ -288,23 +296,22 @@ GROUPED_STACK_CASES = {
 
 @pytest.mark.parametrize("packed", [True, False], ids=["in-gradient", "own-stacks"])
 @pytest.mark.parametrize("case", list(GROUPED_STACK_CASES))
-def test_grouped_stack_backward_equals_autodiff_of_the_scan(case, packed, monkeypatch):
-    from jax_moe import experts, layers, routing, stack
+def test_grouped_stack_backward_equals_autodiff_of_the_scan(case, packed):
+    from jax_moe import routing, stack
     fields, shared, shared_gate, router_bias, token_shape, unroll = GROUPED_STACK_CASES[case]
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=32, max_tokens=20, dtype=jnp.float32, **fields)
     params = jax_moe.init_moe_params(jax.random.key(5), config, 3, 24, shared_ffn_size=shared,
                                      shared_gate=shared_gate, router_bias=router_bias)
-    # Where the forward keeps the activations: in the gate/up gradient's buffer (the GPU default,
-    # made to happen on CPU here) or in stacks of their own.
-    monkeypatch.setattr(stack, "PACK_BACKENDS", ("cpu", "gpu") if packed else ())
     num_tokens = int(np.prod(token_shape))
-    assert stack.saved_in_gradient(config, num_tokens, params["gate_up"].shape, params["gate_up"].dtype) == packed
+    assert stack.saved_in_gradient(config, num_tokens, params["gate_up"].shape, params["gate_up"].dtype, packed) == packed
     if router_bias:  # a bias that changes the choices (it gets no gradient either way)
         params["router_bias"] = jax.random.normal(jax.random.key(6), params["router_bias"].shape) * 0.3
     x = jax.random.normal(jax.random.key(7), token_shape + (32,), jnp.float32)
-    # On CPU the default experts are ragged_dot's; make both sides take the grouped-GEMM experts.
-    monkeypatch.setattr(experts, "uses_grouped_matmul", lambda *a: True)
-    monkeypatch.setattr(layers, "uses_grouped_matmul", lambda *a: True)
+    # On CPU the default experts are ragged_dot's: a plan makes both sides take the grouped-GEMM
+    # experts (their ragged_dot fallbacks here), and says where the forward keeps the activations:
+    # in the gate/up gradient's buffer (the GPU default, made to happen on CPU here) or in stacks of
+    # their own.
+    stack_plan = _grouped_plan(config, num_tokens, params).replace(activations_in_gradient=packed)
 
     def loss(stack_fn, p, x):
         y, _, aux = stack_fn(p, x)
@@ -312,11 +319,11 @@ def test_grouped_stack_backward_equals_autodiff_of_the_scan(case, packed, monkey
         return jnp.mean(jnp.square(y)) + 0.1 * routing.router_z_loss(aux["router_logits"])
 
     def ours(p, x):
-        out, s, aux = jax_moe.moe_stack(p, x, init_scratch(config), unroll=unroll, with_aux=True)
+        out, s, aux = jax_moe.moe_stack(p, x, init_scratch(config), unroll=unroll, with_aux=True, plan=stack_plan)
         return out, s, aux
 
     def theirs(p, x):
-        (out, s), aux = layers._scan_layers(p, x.reshape(-1, 32), init_scratch(config), unroll, None, True)
+        (out, s), aux = stack._scan_layers(p, x.reshape(-1, 32), init_scratch(config), stack_plan, unroll, None, True)
         return out.reshape(x.shape), s, aux
 
     hlo = jax.jit(jax.grad(functools.partial(loss, ours), argnums=(0, 1))).lower(params, x).as_text()
@@ -366,7 +373,7 @@ def _check_backward_kernels(config, scratch, ffn, num_rows):
     num_local, hidden = config.num_local_experts, config.hidden_size
     weights = scaled_normal(jax.random.key(7), (num_local, hidden, ffn), hidden, BF16)
     d_out = jnp.asarray(rng.standard_normal((config.capacity, ffn)), BF16)
-    tile = gemm.pick_tile(num_rows, num_local)
+    tile = plan.pick_tile(num_rows, num_local)
 
     @jax.jit
     def run(rows, d_out, weights, offsets):
@@ -554,31 +561,31 @@ def _qwen3_training_step(layers, num_tokens):
     return config, params, x, _training_step()
 
 
-def _training_step():
-    """A fresh jitted ``value_and_grad`` of ``mean(moe_stack(p, x, s)**2)``, scratch donated (fresh:
-    a new jit traces again, so it sees module settings changed since the last one)."""
+def _training_step(layer_plan=None):
+    """A jitted ``value_and_grad`` of ``mean(moe_stack(p, x, s, plan=layer_plan)**2)``, scratch donated."""
     def loss(p, x, s):
-        y, s = jax_moe.moe_stack(p, x, s)
+        y, s = jax_moe.moe_stack(p, x, s, plan=layer_plan)
         return jnp.mean(jnp.square(y.astype(jnp.float32))), s
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), donate_argnums=2)
 
 
 @pytest.mark.gpu
-def test_gpu_activations_in_the_gradient_save_their_bytes(monkeypatch):
+def test_gpu_activations_in_the_gradient_save_their_bytes():
     """The step's memory drops by the activations the forward keeps when they ride in the gate/up
     gradient: per layer the input [T, H] and the gate/up product [R, 2F]."""
-    from jax_moe import stack
     from jax_moe.demo import memory_stats
     layers, num_tokens = 4, 1024
     config, params, x, _ = _qwen3_training_step(layers, num_tokens)
+    default = jax_moe.plan_layer(config, num_tokens, params)
+    assert default.activations_in_gradient
 
-    def total_bytes(backends):
-        monkeypatch.setattr(stack, "PACK_BACKENDS", backends)  # read when the step is traced
-        return memory_stats(_training_step().lower(params, x, init_scratch(config)).compile())["total_bytes"]
+    def total_bytes(in_gradient):
+        step = _training_step(default.replace(activations_in_gradient=in_gradient))
+        return memory_stats(step.lower(params, x, init_scratch(config)).compile())["total_bytes"]
     rows = config.live_row_bound(num_tokens)
     ffn = params["down"].shape[-2]
     activations = layers * 2 * (num_tokens * config.hidden_size + rows * 2 * ffn)
-    saved = total_bytes(()) - total_bytes(("gpu",))
+    saved = total_bytes(False) - total_bytes(True)
     assert saved >= 0.9 * activations, (saved, activations)
 
 
@@ -634,7 +641,8 @@ def test_shared_expert_decode_path_has_the_xla_paths_gradient(num_tokens):
     x = jnp.asarray(rng.standard_normal((num_tokens, 64)), BF16)
     gate_up = jnp.asarray(rng.standard_normal((64, 96)) / 8, BF16)
     down = jnp.asarray(rng.standard_normal((48, 64)) / 7, BF16)
-    out, vjp = jax.vjp(experts._shared_swiglu_decode, x, gate_up, down)
+    rows_per_pass = plan.decode_rows_per_pass(num_tokens, 1, num_tokens)
+    out, vjp = jax.vjp(lambda *a: experts._shared_swiglu_decode(*a, rows_per_pass), x, gate_up, down)
     want, want_vjp = jax.vjp(lambda *a: experts._shared_swiglu(*a).astype(BF16), x, gate_up, down)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
     cotangent = jnp.asarray(rng.standard_normal(out.shape), BF16)

@@ -8,10 +8,7 @@ whose quantised rows are the CPU's bytes and whose products are held to a float6
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +16,8 @@ import numpy as np
 import pytest
 
 import jax_moe
-from jax_moe import MoEConfig, experts, fp8, gemm, init_scratch
+from jax_moe import MoEConfig, experts, fp8, gemm, init_scratch, plan
+from jax_moe.tuning import DEFAULT_TUNING
 from jax_moe.experts import swiglu_experts
 from jax_moe.bench.models import MODELS
 from cases import GROUPED_GEMM_EDGE_CASES, fp8_swiglu_weights, grouped_gemm_edge_case, routed_scratch, scaled_normal
@@ -49,23 +47,20 @@ def test_quantize_round_trip_within_e4m3_rounding(shape):
     assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == fp8.FP8_MAX
 
 
-def test_model_sized_test_weights_are_drawn_an_expert_at_a_time(monkeypatch):
+def test_model_sized_test_weights_are_drawn_an_expert_at_a_time():
     """cases.scaled_normal past layers' whole-draw bound (lowered here): one draw per expert, in the
     layout of quantising those values whole (FP8 blocks never span experts); its compiled temporaries
     for DeepSeek-V3's gate/up ([256, 7168, 4096], 15 GB of bf16) stay under 1 GB, where a whole
     float32 draw takes 28 GiB arrays an 80 GB card does not hold beside a test."""
     import cases
-    from jax_moe import layers
-    monkeypatch.setattr(layers, "WHOLE_DRAW_MAX_BYTES", 1000)
     key = jax.random.key(5)
-    w = cases.scaled_normal(key, (3, 256, 384), 384, jnp.float32)
-    q, scale = cases.scaled_normal(key, (3, 256, 384), 384, quantize=True)
+    w = cases.scaled_normal(key, (3, 256, 384), 384, jnp.float32, max_whole_bytes=1000)
+    q, scale = cases.scaled_normal(key, (3, 256, 384), 384, quantize=True, max_whole_bytes=1000)
     want_q, want_scale = jax.jit(fp8.quantize)(w)
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale))
     assert not np.array_equal(np.asarray(w[0]), np.asarray(w[1]))  # each expert its own key
     assert abs(float(np.std(np.asarray(w))) * np.sqrt(384) - 1) < 0.02
-    monkeypatch.undo()
     draw = jax.jit(lambda k: cases.scaled_normal(k, (256, 7168, 4096), 7168, BF16))
     memory = draw.lower(key).compile().memory_analysis()
     assert memory.output_size_in_bytes == 256 * 7168 * 4096 * 2 and memory.temp_size_in_bytes < 1e9
@@ -141,7 +136,9 @@ def test_fp8_shared_params_are_checked():
         ({**layer, "shared_down": layer["shared_down"].astype(BF16)}, "params['shared_down']: expected float8_e4m3fn"),
         ({**layer, "shared_gate_up_scale_inv": layer["shared_gate_up_scale_inv"][:1]},
          "params['shared_gate_up_scale_inv']: expected float32 (2, 1) ([out/128, in/128])"),
-        ({**layer, "shared_down": layer["shared_down"][:, :64]}, "params['shared_down']: expected shape (128, 128)"),
+        ({**layer, "shared_down": layer["shared_down"][:, :64]},
+         "params['shared_gate_up'] and params['shared_down']: expected shared_down's Fs to be half "
+         "shared_gate_up's 2Fs, got 2Fs = 256 in shared_gate_up (256, 128) and Fs = 64 in shared_down (128, 64)"),
         (narrow, "an FP8 shared expert needs H and Fs multiples of 128 (whole scale blocks along K for the "
                  "rows' quantisation), got H=128, Fs=64"),
     ]
@@ -245,16 +242,16 @@ def test_gpu_fp8_stack_matches_the_cpu_fp8_stack(num_tokens):
     gpu = jax.devices("gpu")[0]
     hlo = jax.jit(run).lower(*jax.device_put((params, x, init_scratch(config)), gpu)).compile().as_text()
     # The routed and the shared experts, each one call for both projections (in the scan body): the
-    # FP8 decode kernel's for small reads (gemm.fp8_decode_rows), else the CUTLASS GEMMs'.
-    decode = [bool(gemm.fp8_decode_rows(rows, groups, 256, 128))
+    # FP8 decode kernel's for small reads (plan.fp8_decode_rows), else the CUTLASS GEMMs'.
+    decode = [bool(plan.fp8_decode_rows(rows, groups, 256, 128))
               for rows, groups in ((config.live_row_bound(num_tokens), 16), (num_tokens, 1))]
     assert decode == [num_tokens <= 8, num_tokens == 1]  # T = 8: 8 rows of the shared expert take CUTLASS
     # With the routed experts on the decode kernel, the shared expert rides in their launches.
-    rides = decode[0] and num_tokens <= gemm.FP8_DECODE_MAX_SHARED_ROWS
+    rides = decode[0] and num_tokens <= plan.FP8_DECODE_MAX_SHARED_ROWS
     assert hlo.count('custom_call_target="jax_moe_fp8_decode_swiglu_shared"') == rides
     assert hlo.count('custom_call_target="jax_moe_fp8_decode_swiglu"') == (0 if rides else sum(decode))
     # The routed experts on CUTLASS past one routing tile of routes take rows quantised in permute
-    # (experts.fp8_quantizes_in_permute).
+    # (the plan's permute="fp8_quantize").
     quantized = not decode[0] and num_tokens * 4 > jax_moe.scratch.ROUTING_TILE
     assert hlo.count('custom_call_target="jax_moe_permute_fp8"') == quantized
     assert hlo.count('custom_call_target="jax_moe_fp8_swiglu_quantized_experts"') == quantized
@@ -342,7 +339,7 @@ def test_fp8_forward_takes_the_fallback_for_shapes_the_kernel_does_not():
     ([1], 256, 256),                # T = 1, one route
     ([130, 0, 126, 8], 1024, 640),  # K over 8 scale blocks, N not a multiple of the 128 x 128 tile pair
 ])
-@pytest.mark.parametrize("tile_rows", gemm.FP8_TILE_ROWS)
+@pytest.mark.parametrize("tile_rows", plan.FP8_TILE_ROWS)
 def test_gpu_fp8_forward_matches_the_dequantized_product(sizes, k, n, tile_rows):
     """The CUTLASS FP8 blockwise grouped GEMM: its quantised rows are fp8.quantize_rows' bytes, and
     its result is the float64 product of the dequantised operands within bf16 rounding of the
@@ -354,7 +351,7 @@ def test_gpu_fp8_forward_matches_the_dequantized_product(sizes, k, n, tile_rows)
     workspace = gemm.fp8_workspace(groups)
     gpu = jax.devices("gpu")[0]
     args = jax.device_put((rows, q, scale, offsets, workspace), gpu)
-    out, _, q_rows, row_scale = jax.jit(lambda *a: gemm._fp8_grouped_matmul_call(*a, num_rows, tile_rows))(*args)
+    out, _, q_rows, row_scale = jax.jit(lambda *a: gemm.fp8_gemm._fp8_grouped_matmul_call(*a, num_rows, tile_rows))(*args)
     want_q, want_scale = jax.jit(fp8.quantize_rows)(jax.device_put(rows[:num_rows], jax.devices("cpu")[0]))
     np.testing.assert_array_equal(np.asarray(row_scale), np.asarray(want_scale))
     np.testing.assert_array_equal(np.asarray(q_rows).view(np.uint8), np.asarray(want_q).view(np.uint8))
@@ -389,10 +386,10 @@ def test_fp8_forward_rejects_bad_operands(change, match):
 
 
 def test_fp8_tile_rows_is_the_small_tile_up_to_the_crossover():
-    per_group = gemm.FP8_SMALL_TILE_MAX_ROWS_PER_GROUP
-    assert gemm.fp8_tile_rows(per_group * 256, 256) == 64
-    assert gemm.fp8_tile_rows(per_group * 256 + 1, 256) == 128
-    assert gemm.fp8_tile_rows(1, 1) == 64
+    per_group = DEFAULT_TUNING.fp8_small_tile_max_rows_per_group
+    assert plan.fp8_tile_rows(per_group * 256, 256) == 64
+    assert plan.fp8_tile_rows(per_group * 256 + 1, 256) == 128
+    assert plan.fp8_tile_rows(1, 1) == 64
 
 
 def _check_fp8_forward(scratch, num_local, k, n, num_rows=None, seed=4):
@@ -421,8 +418,8 @@ def _check_fp8_swiglu_forward(scratch, num_local, hidden, ffn, num_rows=None, se
     gu = scaled_normal(keys[0], (num_local, 2 * ffn, hidden), hidden, quantize=True)
     dn = scaled_normal(keys[1], (num_local, hidden, ffn), ffn, quantize=True)
     rows, offsets, workspace = scratch.permuted, scratch.expert_offsets, scratch.workspace
-    tile = gemm.fp8_tile_rows(num_rows, num_local)
-    fused = jax.jit(lambda *a: gemm._fp8_swiglu_experts_call(*a, num_rows, tile))(rows, *gu, *dn, offsets, workspace)
+    tile = plan.fp8_tile_rows(num_rows, num_local)
+    fused = jax.jit(lambda *a: gemm.fp8_gemm._fp8_swiglu_experts_call(*a, num_rows, tile))(rows, *gu, *dn, offsets, workspace)
     out, _, _, _, hidden_rows, q_act, act_scale = fused
 
     def three_steps(rows, gu, gus, dn, dns, offsets, ws):
@@ -448,7 +445,7 @@ def test_gpu_fp8_forward_model_shapes_at_decode(name, num_tokens):
     m = MODELS[name]
     config = MoEConfig(num_experts=m.num_experts, top_k=m.top_k, hidden_size=m.hidden_size, max_tokens=num_tokens,
                        dtype=BF16)
-    assert gemm.supports_fp8(m.hidden_size, m.ffn_size)
+    assert plan.supports_fp8(m.hidden_size, m.ffn_size)
     scratch = routed_scratch(config, num_tokens)
     _check_fp8_forward(scratch, m.num_experts, m.hidden_size, 2 * m.ffn_size)
     _check_fp8_forward(scratch, m.num_experts, m.ffn_size, m.hidden_size, seed=5)
@@ -512,7 +509,7 @@ def _check_fp8_decode(scratch, num_local, hidden, ffn, num_rows=None, rows_per_p
     gu = scaled_normal(keys[0], (num_local, 2 * ffn, hidden), hidden, quantize=True)
     dn = scaled_normal(keys[1], (num_local, hidden, ffn), ffn, quantize=True)
     rows, offsets = scratch.permuted, scratch.expert_offsets
-    out, act = jax.jit(lambda *a: gemm._fp8_decode_swiglu_call(*a, num_rows, rows_per_pass, group_rows))(
+    out, act = jax.jit(lambda *a: gemm.fp8_gemm._fp8_decode_swiglu_call(*a, num_rows, rows_per_pass, group_rows))(
         rows, *gu, *dn, offsets)
     cpu = jax.devices("cpu")[0]
     q_rows, row_scale = jax.jit(fp8.quantize_rows)(jax.device_put(rows[:num_rows], cpu))
@@ -578,21 +575,21 @@ def test_gpu_fp8_decode_kernel_shared_expert_group():
 
 def test_fp8_decode_rows_picks_the_decode_kernel_for_small_reads():
     """The decode kernel up to 360 MB of weights at up to 4 rows an expert, and up to 1.4 GB at up to 2."""
-    assert gemm.fp8_decode_rows(1, 1, 7168, 2048) == 8             # DeepSeek-V3's shared expert, T = 1: 44 MB
-    assert gemm.fp8_decode_rows(4, 1, 7168, 2048) == 8             # T = 4
-    assert gemm.fp8_decode_rows(16, 1, 7168, 2048) == 0            # T = 16: 16 rows an expert
-    assert gemm.fp8_decode_rows(8, 128, 2048, 768) == 8            # Qwen3-30B's experts, T = 1: 38 MB
-    assert gemm.fp8_decode_rows(10, 512, 4096, 1024) == 8          # Qwen3.5-397B's, T = 1: 126 MB
-    assert gemm.fp8_decode_rows(128, 128, 2048, 768) == 8          # Qwen3-30B's, T = 16: 383 MB, 1.6 rows an expert
-    assert gemm.fp8_decode_rows(256, 128, 2048, 768) == 0          # T = 32: 523 MB, 2.3 rows an expert
-    assert gemm.fp8_decode_rows(8, 256, 7168, 2048) == 8           # DeepSeek-V3's experts, T = 1: 348 MB
-    assert gemm.fp8_decode_rows(2, 8, 4096, 14336) == 8            # Mixtral's, T = 1: 330 MB
-    assert gemm.fp8_decode_rows(16, 8, 4096, 14336) == 0           # T = 8: 1.24 GB, 2.3 rows an expert
-    assert gemm.fp8_decode_rows(16, 256, 7168, 2048) == 8          # DeepSeek-V3's, T = 2: 684 MB
-    assert gemm.fp8_decode_rows(32, 256, 7168, 2048) == 8          # T = 4: 1.33 GB
-    assert gemm.fp8_decode_rows(64, 256, 7168, 2048) == 0          # T = 8: 2.5 GB
-    assert gemm.fp8_decode_rows(4096 * 8, 256, 7168, 2048) == 0    # prefill
-    assert gemm.fp8_decode_rows(1, 1, 256, gemm.FP8_DECODE_MAX_K + 128) == 0  # F past the staging
+    assert plan.fp8_decode_rows(1, 1, 7168, 2048) == 8             # DeepSeek-V3's shared expert, T = 1: 44 MB
+    assert plan.fp8_decode_rows(4, 1, 7168, 2048) == 8             # T = 4
+    assert plan.fp8_decode_rows(16, 1, 7168, 2048) == 0            # T = 16: 16 rows an expert
+    assert plan.fp8_decode_rows(8, 128, 2048, 768) == 8            # Qwen3-30B's experts, T = 1: 38 MB
+    assert plan.fp8_decode_rows(10, 512, 4096, 1024) == 8          # Qwen3.5-397B's, T = 1: 126 MB
+    assert plan.fp8_decode_rows(128, 128, 2048, 768) == 8          # Qwen3-30B's, T = 16: 383 MB, 1.6 rows an expert
+    assert plan.fp8_decode_rows(256, 128, 2048, 768) == 0          # T = 32: 523 MB, 2.3 rows an expert
+    assert plan.fp8_decode_rows(8, 256, 7168, 2048) == 8           # DeepSeek-V3's experts, T = 1: 348 MB
+    assert plan.fp8_decode_rows(2, 8, 4096, 14336) == 8            # Mixtral's, T = 1: 330 MB
+    assert plan.fp8_decode_rows(16, 8, 4096, 14336) == 0           # T = 8: 1.24 GB, 2.3 rows an expert
+    assert plan.fp8_decode_rows(16, 256, 7168, 2048) == 8          # DeepSeek-V3's, T = 2: 684 MB
+    assert plan.fp8_decode_rows(32, 256, 7168, 2048) == 8          # T = 4: 1.33 GB
+    assert plan.fp8_decode_rows(64, 256, 7168, 2048) == 0          # T = 8: 2.5 GB
+    assert plan.fp8_decode_rows(4096 * 8, 256, 7168, 2048) == 0    # prefill
+    assert plan.fp8_decode_rows(1, 1, 256, plan.FP8_DECODE_MAX_K + 128) == 0  # F past the staging
 
 
 def test_fp8_swiglu_forward_rejects_a_bad_decode_rows():
@@ -624,7 +621,7 @@ def test_gpu_fp8_shared_expert_rides_the_decode_launches_bitwise(hidden, ffn, sh
     rows, offsets = scratch.permuted, scratch.expert_offsets
     both = jax.jit(lambda *a: gemm.fp8_decode_swiglu_with_shared(*a[:6], num_rows, *a[6:], group_rows=group_rows))
     routed, shared = both(rows, *gu, *dn, offsets, x, *sgu, *sdn)
-    alone = jax.jit(lambda r, g, gs, d, ds, o, n, gr: gemm._fp8_decode_swiglu_call(r, g, gs, d, ds, o, n, 8, gr)[0],
+    alone = jax.jit(lambda r, g, gs, d, ds, o, n, gr: gemm.fp8_gemm._fp8_decode_swiglu_call(r, g, gs, d, ds, o, n, 8, gr)[0],
                     static_argnums=(6, 7))
     want_routed = alone(rows, *gu, *dn, offsets, num_rows, group_rows)
     want_shared = alone(x, *(leaf[None] for leaf in (*sgu, *sdn)), jnp.array([0, num_tokens], jnp.int32),
@@ -636,7 +633,7 @@ def test_gpu_fp8_shared_expert_rides_the_decode_launches_bitwise(hidden, ffn, sh
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 3])
-def test_gpu_fp8_layer_with_the_shared_expert_riding_is_the_layer_without(num_tokens, monkeypatch):
+def test_gpu_fp8_layer_with_the_shared_expert_riding_is_the_layer_without(num_tokens):
     """moe_layer with FP8 experts and shared expert (and Qwen's shared gate) at decode: the same
     bits whether the shared expert rides the routed launches or runs a call of its own."""
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=256, max_tokens=num_tokens, dtype=BF16)
@@ -646,8 +643,9 @@ def test_gpu_fp8_layer_with_the_shared_expert_riding_is_the_layer_without(num_to
     x = jax.random.normal(jax.random.key(1), (num_tokens, 256)).astype(BF16)
     outs = []
     for rides in (True, False):
-        monkeypatch.setattr(experts, "SHARED_IN_DECODE_LAUNCH", rides)  # read when the layer is traced
-        run = lambda p, x, s: jax_moe.moe_layer(p, x, s)[0]  # a new function: traced again
+        layer_plan = jax_moe.plan_layer(config, num_tokens, layer, shared_in_decode_launch=rides)
+        assert (layer_plan.shared == "fp8_routed_launch") == rides
+        run = lambda p, x, s, layer_plan=layer_plan: jax_moe.moe_layer(p, x, s, plan=layer_plan)[0]
         hlo = jax.jit(run).lower(layer, x, init_scratch(config)).compile().as_text()
         assert hlo.count('custom_call_target="jax_moe_fp8_decode_swiglu_shared"') == rides
         outs.append(np.asarray(jax.jit(run)(layer, x, init_scratch(config)).view(jnp.uint16)))
@@ -687,15 +685,17 @@ def test_fp8_experts_with_shared_differentiate_as_the_two_calls():
     x = jax.random.normal(keys[4], (3, 256)).astype(BF16)
     num_rows, group_rows = config.live_row_bound(3), config.group_row_bound(3)
     offsets, workspace = scratch.expert_offsets, scratch.workspace
+    kernels = (plan.fp8_tile_rows(num_rows, 4), plan.fp8_decode_rows(num_rows, 4, 256, 128), group_rows)
+    shared_kernels = (plan.fp8_tile_rows(3, 1), plan.fp8_decode_rows(3, 1, 256, 256), 3)
 
     def riding(rows, x):
         out, shared = experts._fp8_experts_with_shared(rows, *gu, *dn, offsets, x, *sgu, *sdn, num_rows, group_rows)
         return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(shared.astype(jnp.float32) ** 3)
 
     def apart(rows, x):
-        out = experts._fp8_experts(rows, *gu, *dn, offsets, num_rows, group_rows, workspace)[0]
-        shared = experts._fp8_experts(x, *(leaf[None] for leaf in (*sgu, *sdn)), jnp.array([0, 3], jnp.int32), 3, 3,
-                                      gemm.fp8_workspace(1))[0]
+        out = experts._fp8_experts(rows, *gu, *dn, offsets, num_rows, kernels, workspace)[0]
+        shared = experts._fp8_experts(x, *(leaf[None] for leaf in (*sgu, *sdn)), jnp.array([0, 3], jnp.int32), 3,
+                                      shared_kernels, gemm.fp8_workspace(1))[0]
         return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(shared.astype(jnp.float32) ** 3)
 
     got = jax.jit(jax.grad(riding, argnums=(0, 1)))(scratch.permuted, x)
@@ -744,13 +744,14 @@ def _fp8_experts_two_ways(config, x, ids):
     num_rows = config.live_row_bound(x.shape[0])
 
     def fused(x):
-        out, _ = experts._fp8_permuted_experts(x, ids, init_scratch(config), *gu, *dn, num_rows)
+        out, _ = experts._fp8_permuted_experts(x, ids, init_scratch(config), *gu, *dn, num_rows,
+                                               plan.fp8_tile_rows(num_rows, 8))
         return out
 
     def apart(x):
         scratch = jax_moe.permute(x, ids, init_scratch(config))
-        return experts._fp8_experts(scratch.permuted, *gu, *dn, scratch.expert_offsets, num_rows, None,
-                                    scratch.workspace)[0]
+        return experts._fp8_experts(scratch.permuted, *gu, *dn, scratch.expert_offsets, num_rows,
+                                    (plan.fp8_tile_rows(num_rows, 8), 0, None), scratch.workspace)[0]
 
     results = []
     for fn in (fused, apart):
@@ -806,7 +807,7 @@ def test_gpu_fp8_permuted_experts_are_the_fp8_call_on_permuted_rows_bitwise():
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_layer_quantizing_in_permute_is_the_layer_without(monkeypatch):
+def test_gpu_fp8_layer_quantizing_in_permute_is_the_layer_without():
     """moe_layer with FP8 experts at prefill: the same bits, and the same d x, whether permute
     quantises the tokens or the FP8 call quantises permute's bf16 rows."""
     config = MoEConfig(num_experts=16, top_k=4, hidden_size=256, max_tokens=512, dtype=BF16)
@@ -815,11 +816,13 @@ def test_gpu_fp8_layer_quantizing_in_permute_is_the_layer_without(monkeypatch):
     x = jax.random.normal(jax.random.key(1), (512, 256)).astype(BF16)
     outs = []
     for fused in (True, False):
-        monkeypatch.setattr(experts, "QUANTIZE_IN_PERMUTE", fused)  # read when the layer is traced
-        run = lambda p, x, s: jax_moe.moe_layer(p, x, s)[0]
+        layer_plan = jax_moe.plan_layer(config, 512, layer, quantize_in_permute=fused)
+        assert (layer_plan.permute == "fp8_quantize") == fused
+        run = lambda p, x, s, layer_plan=layer_plan: jax_moe.moe_layer(p, x, s, plan=layer_plan)[0]
         hlo = jax.jit(run).lower(layer, x, init_scratch(config)).compile().as_text()
         assert hlo.count('custom_call_target="jax_moe_permute_fp8"') == fused
-        loss = lambda x: jnp.sum(jax_moe.moe_layer(layer, x, init_scratch(config))[0].astype(jnp.float32) ** 2)
+        loss = lambda x, layer_plan=layer_plan: jnp.sum(
+            jax_moe.moe_layer(layer, x, init_scratch(config), plan=layer_plan)[0].astype(jnp.float32) ** 2)
         outs.append((np.asarray(jax.jit(run)(layer, x, init_scratch(config)).view(jnp.uint16)),
                      np.asarray(jax.jit(jax.grad(loss))(x).view(jnp.uint16))))
     np.testing.assert_array_equal(outs[0][0], outs[1][0])

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import jax_moe
-from jax_moe import MoEConfig, gemm, init_scratch
+from jax_moe import MoEConfig, gemm, init_scratch, plan
+from jax_moe.tuning import DEFAULT_TUNING
 from jax_moe.bench.models import MODELS
 from cases import GROUPED_GEMM_EDGE_CASES as GPU_EDGE_CASES, grouped_gemm_edge_case, routed_scratch, scaled_normal
 from oracle import assert_zero_past_groups
@@ -97,7 +98,7 @@ def test_rejects_bad_arguments():
         ((rows[:, :12], _weights(4, 12, 8)), {}, "K (rows.shape[1]): expected a positive multiple of 8"),
         ((rows, _weights(4, 16, 12)), {}, "N (weights.shape[2]): expected a positive multiple of 8"),
         ((rows, w), {"num_rows": 0}, "num_rows: expected an int in [1, 16]"),
-        ((rows, w), {"tile": 4}, "tile: expected one of (0, 3, 1, 2)"),
+        ((rows, w), {"tile": 4}, "tile: expected one of ('small', 'medium', 'large', 'decode')"),
         ((jnp.zeros((17, 16), BF16), w), {}, "rows: expected a rank-2 array [R, K] with R <= 16"),
     ]
     for args, kwargs, message in cases:
@@ -140,34 +141,34 @@ def test_workspace_is_reserved_only_for_gemm_dtypes():
 
 
 def test_tile_choice_follows_rows_per_expert():
-    assert gemm.pick_tile(8, 256) == gemm.DECODE_TILE        # decode: 8 rows over 256 experts
-    assert gemm.pick_tile(128, 128) == gemm.DECODE_TILE      # Qwen3-30B at T=16: ~1.6 rows per owner
-    assert gemm.pick_tile(512, 128) == gemm.SMALL_M_TILE     # Qwen3-30B at T=64: ~4
-    assert gemm.pick_tile(8, 8) == gemm.DECODE_TILE          # Mixtral at T=4: 1.5 rows per expert
-    assert gemm.pick_tile(32, 8) == gemm.SMALL_M_TILE        # Mixtral at T=16: 4
-    assert gemm.pick_tile(2048, 128) == gemm.SMALL_M_TILE    # 16 rows per expert
-    assert gemm.pick_tile(8192, 128) == gemm.MEDIUM_M_TILE   # 64 rows per expert
-    assert gemm.pick_tile(32768, 256) == gemm.MEDIUM_M_TILE  # 128 rows per expert
-    assert gemm.pick_tile(32768, 128) == gemm.MEDIUM_M_TILE  # 256 rows per expert
-    assert gemm.pick_tile(4096, 8) == gemm.LARGE_M_TILE      # 512
-    assert gemm.pick_tile(131072, 128) == gemm.LARGE_M_TILE  # 1024
+    assert plan.pick_tile(8, 256) == gemm.DECODE_TILE        # decode: 8 rows over 256 experts
+    assert plan.pick_tile(128, 128) == gemm.DECODE_TILE      # Qwen3-30B at T=16: ~1.6 rows per owner
+    assert plan.pick_tile(512, 128) == gemm.SMALL_M_TILE     # Qwen3-30B at T=64: ~4
+    assert plan.pick_tile(8, 8) == gemm.DECODE_TILE          # Mixtral at T=4: 1.5 rows per expert
+    assert plan.pick_tile(32, 8) == gemm.SMALL_M_TILE        # Mixtral at T=16: 4
+    assert plan.pick_tile(2048, 128) == gemm.SMALL_M_TILE    # 16 rows per expert
+    assert plan.pick_tile(8192, 128) == gemm.MEDIUM_M_TILE   # 64 rows per expert
+    assert plan.pick_tile(32768, 256) == gemm.MEDIUM_M_TILE  # 128 rows per expert
+    assert plan.pick_tile(32768, 128) == gemm.MEDIUM_M_TILE  # 256 rows per expert
+    assert plan.pick_tile(4096, 8) == gemm.LARGE_M_TILE      # 512
+    assert plan.pick_tile(131072, 128) == gemm.LARGE_M_TILE  # 1024
     # Knowing the most rows one expert can own (T): the decode kernel up to DECODE_MAX_GROUP_ROWS.
-    assert gemm.pick_tile(8, 128, group_rows=1) == gemm.DECODE_TILE
-    assert gemm.pick_tile(16, 128, group_rows=2) == gemm.DECODE_TILE
-    assert gemm.pick_tile(128, 128, group_rows=16) == gemm.SMALL_M_TILE  # Qwen3-30B at T=16: 1.58 expected
-    assert gemm.pick_tile(8, 8, group_rows=4) == gemm.SMALL_M_TILE        # Mixtral at T=4
+    assert plan.pick_tile(8, 128, group_rows=1) == gemm.DECODE_TILE
+    assert plan.pick_tile(16, 128, group_rows=2) == gemm.DECODE_TILE
+    assert plan.pick_tile(128, 128, group_rows=16) == gemm.SMALL_M_TILE  # Qwen3-30B at T=16: 1.58 expected
+    assert plan.pick_tile(8, 8, group_rows=4) == gemm.SMALL_M_TILE        # Mixtral at T=4
     # Past DECODE_MAX_GROUP_ROWS, fine-grained experts keep the decode kernel at few expected rows.
-    assert gemm.pick_tile(64, 128, group_rows=8) == gemm.DECODE_TILE      # Qwen3-30B at T=8: 1.27
-    assert gemm.pick_tile(32, 64, group_rows=4) == gemm.DECODE_TILE       # 64 experts, 1.26 expected
-    assert gemm.pick_tile(16, 32, group_rows=4) == gemm.SMALL_M_TILE      # 1.26 expected, but 32 experts
-    assert gemm.decode_rows_per_pass(8, 128, group_rows=2) == 2
+    assert plan.pick_tile(64, 128, group_rows=8) == gemm.DECODE_TILE      # Qwen3-30B at T=8: 1.27
+    assert plan.pick_tile(32, 64, group_rows=4) == gemm.DECODE_TILE       # 64 experts, 1.26 expected
+    assert plan.pick_tile(16, 32, group_rows=4) == gemm.SMALL_M_TILE      # 1.26 expected, but 32 experts
+    assert plan.decode_rows_per_pass(8, 128, group_rows=2) == 2
     # ... and their rows per pass follow the expected rows, not the bound.
-    assert gemm.decode_rows_per_pass(8, 128, group_rows=5) == 1
-    assert gemm.decode_rows_per_pass(64, 128, group_rows=8) == 2
+    assert plan.decode_rows_per_pass(8, 128, group_rows=5) == 1
+    assert plan.decode_rows_per_pass(64, 128, group_rows=8) == 2
     # Rows per pass of the decode kernel: what an owning expert expects, as a power of two.
-    assert [gemm.decode_rows_per_pass(r, e) for r, e in [(2, 8), (8, 128), (128, 128), (32, 8), (1, 1)]] \
+    assert [plan.decode_rows_per_pass(r, e) for r, e in [(2, 8), (8, 128), (128, 128), (32, 8), (1, 1)]] \
         == [1, 1, 2, 4, 1]
-    assert gemm.expected_rows_per_expert(1, 1) == 1.0
+    assert plan.expected_rows_per_expert(1, 1) == 1.0
 
 
 def test_gated_forward_is_the_activation_of_the_product():
@@ -194,9 +195,9 @@ def test_decode_forward_with_shared_is_the_two_products():
     up, shared_up = _weights(4, 16, 32), _weights(1, 16, 48, seed=2)[0]
     for gated in (False, True):
         out, shared = jax.jit(lambda r, t, g=gated: gemm.decode_forward_with_shared(
-            r, up, offsets, 4, t, shared_up, gated=g))(rows, x)
+            r, up, offsets, 4, t, shared_up, gated=g, rows_per_pass=2))(rows, x)
         product = jnp.dot(x, shared_up, preferred_element_type=jnp.float32).astype(BF16)
-        want_out = (gemm.gated_forward if gated else gemm.forward)(rows, up, offsets, ws, 4, gemm.DECODE_TILE)[0]
+        want_out = (gemm.gated_forward if gated else gemm.forward)(rows, up, offsets, ws, 4, gemm.DECODE_TILE, 2)[0]
         want_shared = gemm.gated_silu(product, BF16) if gated else product
         assert out.shape == want_out.shape and shared.shape == want_shared.shape
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
@@ -213,7 +214,7 @@ def test_decode_forward_with_shared_is_the_two_products():
     def apart(r, w1, w2, t, sw1, sw2):
         params = dict(layer, shared_gate_up=sw1, shared_down=sw2)
         out, _ = experts._swiglu_grouped(r, w1, w2, offsets, ws, 4, gemm.DECODE_TILE, 2)
-        shared = experts._gate_shared(params, t, experts._shared_swiglu_decode(t, sw1, sw2))
+        shared = experts._gate_shared(params, t, experts._shared_swiglu_decode(t, sw1, sw2, 2))
         return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(shared.astype(jnp.float32) ** 2)
 
     operands = (rows, up, down, x, shared_up, shared_down)
@@ -221,7 +222,7 @@ def test_decode_forward_with_shared_is_the_two_products():
                          ((rows, up[:, :8], offsets, 4, x, shared_up), "weights: expected [El, K=16, N]"),
                          ((rows, up, offsets, 4, x, shared_up[:, :40]), "shared_weights: expected [Ks=16, Ns]")):
         with pytest.raises(ValueError, match=re.escape(f"decode_forward_with_shared: {message}")):
-            gemm.decode_forward_with_shared(*bad, gated=True)
+            gemm.decode_forward_with_shared(*bad, gated=True, rows_per_pass=2)
     got = jax.jit(jax.value_and_grad(fused, argnums=range(6)))(*operands)
     want = jax.jit(jax.value_and_grad(apart, argnums=range(6)))(*operands)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -248,7 +249,7 @@ def test_gpu_model_shapes_match_ragged_dot(name, num_tokens):
     scratch = routed_scratch(config, num_tokens)
     up = _weights(config.num_experts, config.hidden_size, 2 * ffn)
     hidden, scratch = _check(scratch.permuted, up, scratch)
-    if gemm.pick_tile(config.capacity, config.num_experts) == gemm.DECODE_TILE:
+    if plan.pick_tile(config.capacity, config.num_experts) == gemm.DECODE_TILE:
         _check(scratch.permuted, up, scratch, tile=gemm.SMALL_M_TILE)  # the other kernel agrees too
         _check_gated(scratch.permuted, up, scratch)
     del up
@@ -259,8 +260,9 @@ def test_gpu_model_shapes_match_ragged_dot(name, num_tokens):
 def _check_gated(rows, gate_up, scratch, num_rows=None):
     """The decode kernel's SwiGLU epilogue against gated_silu of a float32 ragged_dot rounded to bf16."""
     num_rows = num_rows or rows.shape[0]
+    rows_per_pass = plan.decode_rows_per_pass(num_rows, gate_up.shape[0])
     run = jax.jit(lambda r, w, s: gemm.gated_forward(r, w, s.expert_offsets, s.workspace, num_rows,
-                                                     gemm.DECODE_TILE)[0])
+                                                     gemm.DECODE_TILE, rows_per_pass)[0])
     got = np.asarray(run(rows, gate_up, scratch), np.float32)
     hidden = _reference(rows, gate_up, scratch, num_rows)
     want = np.asarray(gemm.gated_silu(jnp.asarray(hidden, BF16), jnp.float32))
@@ -279,7 +281,7 @@ def test_gpu_decode_kernel_model_shapes(name, num_tokens):
     config, ffn = _model_config(name, num_tokens)
     scratch = routed_scratch(config, num_tokens)
     if num_tokens == 1:
-        assert gemm.pick_tile(config.capacity, config.num_experts, config.group_row_bound(1)) == gemm.DECODE_TILE
+        assert plan.pick_tile(config.capacity, config.num_experts, config.group_row_bound(1)) == gemm.DECODE_TILE
     up = _weights(config.num_experts, config.hidden_size, 2 * ffn)
     hidden, scratch = _check(scratch.permuted, up, scratch, tile=gemm.DECODE_TILE)
     _check_gated(scratch.permuted, up, scratch)
@@ -314,49 +316,50 @@ ODD_TILE_SHAPES = [(512, 768), (264, 264), (256, 8)]
 @pytest.mark.parametrize("num_tokens", [1, 2, 5, 8])
 def test_gpu_shared_expert_on_the_decode_kernel(num_tokens):
     """DeepSeek-V3's shared expert (H 7168, width 2048) at decode sizes: the decode kernel (one group
-    of T rows, one pass) against XLA's float32 dots, and taken by shared_experts on a GPU up to
-    experts.SHARED_DECODE_MAX_TOKENS tokens."""
+    of T rows, one pass) against XLA's float32 dots; shared_experts runs it where the plan says
+    "decode_kernel" and XLA's dots where it says "xla"."""
     from jax_moe import experts
-    assert num_tokens <= experts.SHARED_DECODE_MAX_TOKENS
     rng = np.random.default_rng(num_tokens)
     x = jnp.asarray(rng.standard_normal((num_tokens, 7168)), BF16)
     gate_up = _weights(1, 7168, 4096, seed=3)[0]
     down = _weights(1, 2048, 7168, seed=4)[0]
-    assert experts._shared_on_decode_kernel(x, 2048, experts.SHARED_DECODE_MAX_TOKENS)
-    got = np.asarray(jax.jit(experts._shared_swiglu_decode)(x, gate_up, down), np.float32)
+    rows_per_pass = plan.decode_rows_per_pass(num_tokens, 1, num_tokens)
+    got = np.asarray(jax.jit(experts._shared_swiglu_decode, static_argnums=3)(x, gate_up, down, rows_per_pass),
+                     np.float32)
     want = np.asarray(jax.jit(experts._shared_swiglu)(x, gate_up, down), np.float32)
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
     params = {"shared_gate_up": gate_up, "shared_down": down}
-    hlo = jax.jit(experts.shared_experts).lower(params, x).compile()
-    assert hlo.as_text().count("jax_moe_decode_matmul") >= 2
-    # One token past the bound: XLA's dots, no decode launch.
-    past = jnp.zeros((experts.SHARED_DECODE_MAX_TOKENS + 1, 7168), BF16)
-    assert "jax_moe_decode_matmul" not in jax.jit(experts.shared_experts).lower(params, past).compile().as_text()
+    on_kernel = plan.LayerPlan(num_tokens, shared="decode_kernel", shared_decode_rows_per_pass=rows_per_pass)
+    for shared_plan, launches in ((on_kernel, 2), (on_kernel.replace(shared="xla"), 0)):
+        hlo = jax.jit(lambda p, x: experts.shared_experts(p, x, shared_plan)).lower(params, x).compile().as_text()
+        assert hlo.count('custom_call_target="jax_moe_decode_matmul"') == launches
 
 
 @pytest.mark.gpu
-def test_gpu_stack_runs_the_shared_expert_on_decode_launches_of_its_own(monkeypatch):
-    """Past gemm.DECODE_MAX_GROUP_ROWS tokens (so not riding the routed launches) and up to
-    experts.SHARED_DECODE_MAX_TOKENS, the inference stack's gated shared expert takes two decode
-    launches of its own; against the same stack with it on XLA's dots (the bound set to 0) the
+def test_gpu_stack_runs_the_shared_expert_on_decode_launches_of_its_own():
+    """Past the tuning's decode_max_group_rows tokens (so not riding the routed launches) and up to
+    its shared_decode_max_tokens, the inference stack's gated shared expert takes two decode
+    launches of its own; against the same stack with it on XLA's dots (a plan that says so) the
     output is within bf16 rounding, and that program has two decode launches fewer."""
-    from jax_moe import experts
-    from jax_moe.layers import init_moe_params, moe_stack
+    from jax_moe import init_moe_params, moe_stack
     num_tokens = 5
-    assert gemm.DECODE_MAX_GROUP_ROWS < num_tokens <= experts.SHARED_DECODE_MAX_TOKENS
+    assert DEFAULT_TUNING.decode_max_group_rows < num_tokens <= DEFAULT_TUNING.shared_decode_max_tokens
     config = MoEConfig(num_experts=64, top_k=6, hidden_size=256, max_tokens=num_tokens, dtype=BF16)
     params = init_moe_params(jax.random.key(0), config, 2, 128, shared_ffn_size=256, shared_gate=True)
     x = jax.random.normal(jax.random.key(1), (num_tokens, 256)).astype(BF16)
 
-    def run():
+    stack_plan = jax_moe.plan_layer(config, num_tokens, params)
+    assert stack_plan.shared == "decode_kernel"
+
+    def run(layer_plan):
         # One compile: the program's text and its output from the same executable.
-        step = jax.jit(lambda p, x, s: moe_stack(p, x, s)[0]).lower(params, x, init_scratch(config)).compile()
+        step = jax.jit(lambda p, x, s: moe_stack(p, x, s, plan=layer_plan)[0]).lower(
+            params, x, init_scratch(config)).compile()
         return np.asarray(step(params, x, init_scratch(config)), np.float32), step.as_text().count(
             'custom_call_target="jax_moe_decode_matmul"')
 
-    got, launches = run()
-    monkeypatch.setattr(experts, "SHARED_DECODE_MAX_TOKENS", 0)
-    want, launches_on_xla = run()
+    got, launches = run(stack_plan)
+    want, launches_on_xla = run(stack_plan.replace(shared="xla"))
     assert launches == launches_on_xla + 2, (launches, launches_on_xla)
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
     assert np.abs(want - np.asarray(x, np.float32)).max() > 1e-2  # the layers add something
@@ -375,7 +378,6 @@ def test_gpu_shared_expert_rides_the_routed_decode_launch(model, shared_ffn, num
     """gemm.decode_forward_with_shared on the GPU: the routed rows against ragged_dot (zero past
     the groups), the shared rows against XLA's float32 dot, gated and plain; moe_layer then makes
     two decode launches with the shared expert in them and none of its own."""
-    from jax_moe import experts
     if isinstance(model, str):
         config, ffn = _model_config(model, num_tokens)
         scratch = routed_scratch(config, num_tokens)
@@ -386,11 +388,13 @@ def test_gpu_shared_expert_rides_the_routed_decode_launch(model, shared_ffn, num
         scratch = routed_scratch(config, num_tokens, np.zeros((num_tokens, 1), np.int32))
     hidden = config.hidden_size
     num_rows, group_rows = config.live_row_bound(num_tokens), config.group_row_bound(num_tokens)
+    rows_per_pass = max(plan.decode_rows_per_pass(num_rows, config.num_experts, group_rows),
+                        plan.decode_rows_per_pass(num_tokens, 1, num_tokens))
     x = jnp.asarray(np.random.default_rng(num_tokens).standard_normal((num_tokens, hidden)), BF16)
     shared_up, shared_down = _weights(1, hidden, 2 * shared_ffn, seed=3)[0], _weights(1, shared_ffn, hidden, seed=4)[0]
     up = _weights(config.num_experts, hidden, 2 * ffn)
     run = jax.jit(lambda r, w, t, sw, gated: gemm.decode_forward_with_shared(
-        r, w, scratch.expert_offsets, num_rows, t, sw, gated=gated, group_rows=group_rows), static_argnums=4)
+        r, w, scratch.expert_offsets, num_rows, t, sw, gated=gated, rows_per_pass=rows_per_pass), static_argnums=4)
     activated, shared_activated = run(scratch.permuted, up, x, shared_up, True)
     hidden_rows = _reference(scratch.permuted, up, scratch, num_rows)
     want = np.asarray(gemm.gated_silu(jnp.asarray(hidden_rows, BF16), jnp.float32))
@@ -411,7 +415,7 @@ def test_gpu_shared_expert_rides_the_routed_decode_launch(model, shared_ffn, num
     if isinstance(model, str):  # the layer takes it: two launches, the shared expert in both
         layer = {"router": _weights(1, hidden, config.num_experts, seed=5)[0], "gate_up": _weights(
             config.num_experts, hidden, 2 * ffn), "down": down, "shared_gate_up": shared_up, "shared_down": shared_down}
-        assert experts.shared_rides_decode(layer, x, gemm.pick_tile(num_rows, config.num_experts, group_rows))
+        assert jax_moe.plan_layer(config, num_tokens, layer).shared == "routed_launch"
         hlo = jax.jit(jax_moe.moe_layer).lower(layer, x, init_scratch(config)).compile().as_text()
         assert hlo.count("custom_call_target=\"jax_moe_decode_matmul_shared\"") == 2, hlo.count("decode_matmul")
         assert "custom_call_target=\"jax_moe_decode_matmul\"" not in hlo

@@ -180,7 +180,7 @@ def test_rejects_bad_arguments():
         gemm.grouped_dot(rows, weights, jnp.asarray(sizes, jnp.float32))
 
 
-# ---- FP8 weights read in place: gemm._dequantized_grouped_dot, the FP8 layers' CPU math ----------
+# ---- FP8 weights read in place: gemm.fp8_gemm._dequantized_grouped_dot, the FP8 layers' CPU math ----------
 # (G, M, K, N): K and N off the 128-wide scale blocks (partial blocks); and past the kernel's panels.
 FP8_SHAPES = ((5, 29, 136, 200), (3, 200, 300, 280))
 
@@ -204,15 +204,15 @@ def test_fp8_weights_in_place_give_the_dequantised_bits(dtype, shape):
     """Forward: the NumPy emulation's bits (ascending float32 sums of the rows times q * scale, each
     a float32 product) and the dequantised copy's; the rows' gradient: the copy path's bits."""
     rows, q, scale, offsets, sizes = _fp8_case(shape, dtype)
-    got = jax.jit(gemm._dequantized_grouped_dot)(rows, q, scale, offsets)
+    got = jax.jit(gemm.fp8_gemm._dequantized_grouped_dot)(rows, q, scale, offsets)
     block_scales = np.repeat(np.repeat(np.asarray(scale), 128, 1), 128, 2)[:, :q.shape[1], :q.shape[2]]
     deq = np.asarray(q, np.float32) * block_scales  # float32 products, as fp8.dequantize
     np.testing.assert_array_equal(_bits(got), _bits(_sequential(rows, [d.T for d in deq], sizes)))
-    copy = jax.jit(gemm._xla_dequantized_grouped_dot)(rows, q, scale, offsets)  # the path the kernel replaced
+    copy = jax.jit(gemm.fp8_gemm._xla_dequantized_grouped_dot)(rows, q, scale, offsets)  # the path the kernel replaced
     np.testing.assert_array_equal(_bits(got), _bits(copy))
     assert not np.asarray(got)[int(sizes.sum()):].any() and np.asarray(got).any()
     loss = lambda f: jax.jit(jax.grad(lambda r: jnp.sum(f(r, q, scale, offsets) ** 2)))(rows)
-    d_kernel, d_copy = loss(gemm._dequantized_grouped_dot), loss(gemm._xla_dequantized_grouped_dot)
+    d_kernel, d_copy = loss(gemm.fp8_gemm._dequantized_grouped_dot), loss(gemm.fp8_gemm._xla_dequantized_grouped_dot)
     assert d_kernel.dtype == rows.dtype and np.asarray(d_kernel, np.float32).any()
     np.testing.assert_array_equal(_bits(d_kernel), _bits(d_copy))
 
@@ -223,7 +223,7 @@ def test_fp8_weights_in_place_need_no_float32_copy():
     are at least that), and lower to the FP8 kernel."""
     rows, q, scale, offsets, _ = _fp8_case((8, 80, 256, 512), jnp.float32)
     copy_bytes = q.size * 4
-    for name, f in (("kernel", gemm._dequantized_grouped_dot), ("copy", gemm._xla_dequantized_grouped_dot)):
+    for name, f in (("kernel", gemm.fp8_gemm._dequantized_grouped_dot), ("copy", gemm.fp8_gemm._xla_dequantized_grouped_dot)):
         for program in (f, jax.grad(lambda r, q, s, o, f=f: jnp.sum(f(r, q, s, o) ** 2))):
             lowered = jax.jit(program).lower(rows, q, scale, offsets)
             temp = lowered.compile().memory_analysis().temp_size_in_bytes

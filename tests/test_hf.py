@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jax_moe import hf, init_scratch, routing
-from jax_moe.layers import moe_layer, moe_stack
+from jax_moe import moe_layer, moe_stack
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 OUTPUTS = dict(np.load(FIXTURES / "outputs.npz"))

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 import jax_moe
-from jax_moe import MoEConfig, init_scratch, layers, permute
+from jax_moe import MoEConfig, init_scratch, ops, permute, routing
 from jax_moe.baseline import (argsort_permute, argsort_unpermute, baseline_moe_layer, baseline_moe_stack,
                               repeat_permute)
-from jax_moe.layers import init_moe_params, moe_layer, moe_stack
+from jax_moe import init_moe_params, moe_layer, moe_stack
 
 # (name, MoEConfig overrides): plain, tile-aligned segments, expert parallelism (5 of 8 experts
 # local, non-contiguous map), sigmoid scoring without renormalisation.
@@ -56,8 +56,8 @@ def _tokens_off_ties(params, x, config, min_gap=1e-3):
     h = x
     for layer in range(params["router"].shape[0]):
         p = jax.tree.map(lambda a: a[layer], params)
-        normed = layers.rms_norm(h)
-        probs = np.sort(np.asarray(layers.router_scores(p["router"], normed, config)), axis=-1)[:, ::-1]
+        normed = ops.rms_norm(h)
+        probs = np.sort(np.asarray(routing.router_scores(p["router"], normed, config)), axis=-1)[:, ::-1]
         if config.top_k < config.num_experts:
             clear &= probs[:, config.top_k - 1] - probs[:, config.top_k] > min_gap
         h = h + baseline_moe_layer(p, normed, config)
@@ -83,8 +83,8 @@ def test_init_params_shapes_and_dtypes(name, overrides):
     assert all(np.isfinite(np.asarray(v)).all() and np.asarray(v).std() > 0 for v in f32.values())
 
 
-def test_init_params_draws_model_sized_leaves_a_matrix_at_a_time(monkeypatch):
-    """Past layers.WHOLE_DRAW_MAX_BYTES (lowered here) a leaf is drawn one matrix at a time: the
+def test_init_params_draws_model_sized_leaves_a_matrix_at_a_time():
+    """Past max_whole_draw_bytes (lowered here) a leaf is drawn one matrix at a time: the
     same shapes, dtypes and scale, each matrix its own draw; below it the values are unchanged.
     At DeepSeek-V3's size the compiled init needs under 1 GB besides its output (a whole draw:
     float32 temporaries of 28 GiB a layer and more)."""
@@ -93,8 +93,8 @@ def test_init_params_draws_model_sized_leaves_a_matrix_at_a_time(monkeypatch):
     k_gate_up = jax.random.split(jax.random.key(0), 6)[1]
     want = jax.random.normal(k_gate_up, (3, E, H, 2 * F), jnp.float32) / jnp.sqrt(jnp.float32(H))
     np.testing.assert_array_equal(np.asarray(whole["gate_up"]), np.asarray(want))
-    monkeypatch.setattr(layers, "WHOLE_DRAW_MAX_BYTES", 4 * 3 * H * E)  # the router [3, H, E] still whole
-    sliced = init_moe_params(jax.random.key(0), config, 3, F)
+    sliced = init_moe_params(jax.random.key(0), config, 3, F,
+                             max_whole_draw_bytes=4 * 3 * H * E)  # the router [3, H, E] still whole
     assert jax.tree.map(lambda a: (a.shape, a.dtype), sliced) == jax.tree.map(lambda a: (a.shape, a.dtype), whole)
     np.testing.assert_array_equal(np.asarray(sliced["router"]), np.asarray(whole["router"]))
     for name, fan_in in (("gate_up", H), ("down", F)):
@@ -102,7 +102,6 @@ def test_init_params_draws_model_sized_leaves_a_matrix_at_a_time(monkeypatch):
         assert not np.array_equal(got, np.asarray(whole[name]))
         assert not np.array_equal(got[0, 0], got[0, 1]) and not np.array_equal(got[0, 0], got[1, 0])
         assert abs(got.std() * np.sqrt(fan_in) - 1) < 0.05, name
-    monkeypatch.undo()
     deepseek = jax_moe.MoEConfig(num_experts=256, top_k=8, hidden_size=7168, max_tokens=1, dtype=jnp.bfloat16)
     init = jax.jit(lambda k: init_moe_params(k, deepseek, 1, 2048))
     memory = init.lower(jax.random.key(0)).compile().memory_analysis()
@@ -161,7 +160,7 @@ def test_stack_is_the_layers_in_sequence():
     y, _ = jax.jit(moe_stack)(params, x, init_scratch(config))
     h, scratch = x, init_scratch(config)
     for layer in range(3):
-        out, scratch = moe_layer(jax.tree.map(lambda a: a[layer], params), layers.rms_norm(h), scratch)
+        out, scratch = moe_layer(jax.tree.map(lambda a: a[layer], params), ops.rms_norm(h), scratch)
         h = h + out
     np.testing.assert_allclose(y, h, rtol=1e-5, atol=1e-5)
 
@@ -174,7 +173,7 @@ def _residual_case(dtype, num_tokens, hidden=H, ffn=F, fp8_experts=False, seed=0
     if fp8_experts:
         params = jax_moe.fp8.quantize_params(params)
     h = jax.random.normal(jax.random.key(seed + 1), (num_tokens, hidden), jnp.float32).astype(dtype)
-    return config, params, layers.rms_norm(h), h
+    return config, params, ops.rms_norm(h), h
 
 
 def _residual_outputs_and_grads(config, params, x, h, **jit_options):
@@ -275,7 +274,7 @@ def test_tokens_routed_only_to_remote_experts_get_zero():
     config = _config(jnp.float32, expert_map=(0,) + (-1,) * (E - 1))
     params, x = _inputs(config, T_MAX)
     y, scratch = jax.jit(moe_layer)(_layer0(params), x, init_scratch(config))
-    weights, ids = layers.route(_layer0(params)["router"], x, config)
+    weights, ids = routing.route(_layer0(params)["router"], x, config)
     remote = np.all(np.asarray(ids) != 0, axis=1)
     assert remote.any() and (~remote).any()
     np.testing.assert_array_equal(np.asarray(y)[remote], 0.0)
@@ -289,7 +288,7 @@ def test_route(scoring, renormalize):
     config = _config(jnp.float32, scoring=scoring, renormalize=renormalize)
     params, x = _inputs(config, T_MAX)
     router = _layer0(params)["router"]
-    weights, ids = layers.route(router, x, config)
+    weights, ids = routing.route(router, x, config)
     logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
     if scoring == "softmax":
         scores = np.exp(logits - logits.max(1, keepdims=True))
@@ -338,13 +337,13 @@ def test_validation_errors_name_the_argument():
     other = init_scratch(_config(jnp.float32, expert_map=(0, 1, -1, -1, -1, -1, -1, -1)))
     with pytest.raises(ValueError, match="gate_up"):
         moe_layer(_layer0(params), x, other)  # El=2 scratch, El=8 params
-    with pytest.raises(ValueError, match=r"params\['router'\]"):
+    with pytest.raises(ValueError, match=r"moe_stack: params: expected params stacked on a leading layer axis"):
         moe_stack(_layer0(params), x, scratch)  # unstacked params to the stack
     with pytest.raises(ValueError, match="scratch"):
         moe_layer(_layer0(params), x, {"permuted": scratch.permuted})
     with pytest.raises(ValueError, match="expert_fn"):
         moe_layer(_layer0(params), x, scratch, expert_fn=lambda p, rows, g: rows[:, :8])
-    with pytest.raises(ValueError, match="permute: x: expected dtype float32"):
+    with pytest.raises(ValueError, match="moe_layer: x: expected dtype float32"):
         moe_layer(_layer0(params), x.astype(jnp.bfloat16), scratch)
     with pytest.raises(ValueError, match="ffn_size"):
         init_moe_params(jax.random.key(0), config, 2, 0)

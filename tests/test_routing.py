@@ -15,7 +15,7 @@ import pytest
 import jax_moe
 from jax_moe import MoEConfig, init_scratch, routing
 from jax_moe.baseline import baseline_moe_layer, baseline_moe_stack
-from jax_moe.layers import init_moe_params, moe_layer, moe_stack
+from jax_moe import init_moe_params, moe_layer, moe_stack
 
 F32 = jnp.float32
 
@@ -199,7 +199,7 @@ def test_aux_outputs_and_losses():
     assert aux["router_logits"].shape == (3, 12, 8) and aux["expert_counts"].shape == (3, 8)
     np.testing.assert_array_equal(np.asarray(aux["expert_counts"]).sum(-1), [24, 24, 24])
     # Layer 0's counts are those of its routing of rms_norm(x).
-    _, ids = routing.route(params["router"][0], jax_moe.layers.rms_norm(x), config, params["router_bias"][0])
+    _, ids = routing.route(params["router"][0], jax_moe.ops.rms_norm(x), config, params["router_bias"][0])
     np.testing.assert_array_equal(np.asarray(aux["expert_counts"][0]), np.bincount(np.asarray(ids).ravel(), minlength=8))
     logits = np.asarray(aux["router_logits"])
     np.testing.assert_allclose(float(routing.load_balancing_loss(logits, 2)), _numpy_load_balancing(logits, 2),
@@ -260,7 +260,7 @@ def _decode_route(case, routing_kwargs, with_bias, device):
     config = MoEConfig(max_tokens=num_tokens, dtype=jnp.bfloat16, **kwargs, **routing_kwargs)
     router, x, bias = _decode_route_inputs(case, with_bias)
     with jax.default_device(device):
-        step = jax.jit(lambda r, x, s: jax_moe.ops.route_decode(r, x, s, bias), donate_argnums=2)
+        step = jax.jit(lambda r, x, s: jax_moe.routing.route_decode(r, x, s, bias), donate_argnums=2)
         scratch = init_scratch(config)
         results = []
         for _ in range(3):  # the kernel's arrival counter must be back at zero after each call
@@ -281,7 +281,7 @@ def test_gpu_decode_route_matches_route_logits(case, name, with_bias):
     counter reset), and the workspace's counter word is zero afterwards."""
     config, bias, results, want_logits, scratch = _decode_route(case, ROUTINGS[name], with_bias,
                                                                 jax.devices("gpu")[0])
-    assert jax_moe.ops.decode_route_fits(config, want_logits.shape[0], jnp.bfloat16)
+    assert jax_moe.routing.decode_route_fits(config, want_logits.shape[0], jnp.bfloat16)
     weights, ids, logits = results[0]
     for later in results[1:]:
         for a, b in zip(results[0], later):
@@ -303,21 +303,18 @@ def test_gpu_decode_route_matches_route_logits(case, name, with_bias):
     np.testing.assert_allclose(weights, oracle_weights, rtol=1e-5, atol=1e-7)
 
 
-def test_route_decode_elsewhere_is_route_logits(monkeypatch):
-    """Where the CUDA module exists but the program runs on a CPU the XLA branch is taken (forced
-    here: the platform branch is chosen when lowering), and without the module always: the
-    results are route_logits(router_logits(...)) exactly, the scratch passes through."""
-    for has_cuda in (False, True):
-        monkeypatch.setattr(jax_moe._native, "HAS_CUDA", has_cuda)
-        if has_cuda:
-            monkeypatch.setattr(jax_moe._native, "decode_route_slices", lambda hidden: 1)
+def test_route_decode_elsewhere_is_route_logits():
+    """On a CPU the XLA branch is taken, with the CUDA module built (CI builds it: the platform
+    branch is chosen when lowering) or without it: the results are route_logits(router_logits(...))
+    exactly, the scratch passes through."""
+    for _ in range(1):
         config = MoEConfig(num_experts=16, top_k=4, hidden_size=64, max_tokens=3, dtype=jnp.bfloat16, **DEEPSEEK_LIKE)
         rng = np.random.default_rng(3)
         router = jnp.asarray(rng.standard_normal((64, 16)) / 8, jnp.bfloat16)
         x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
         bias = jnp.asarray(rng.standard_normal(16) / 8, F32)
         with jax.default_device(jax.devices("cpu")[0]):
-            weights, ids, logits, scratch = jax.jit(jax_moe.ops.route_decode)(router, x, init_scratch(config), bias)
+            weights, ids, logits, scratch = jax.jit(jax_moe.routing.route_decode)(router, x, init_scratch(config), bias)
             want_logits = routing.router_logits(router, x)
             want_weights, want_ids = routing.route_logits(want_logits, config, bias)
         np.testing.assert_array_equal(np.asarray(logits), np.asarray(want_logits))
@@ -348,7 +345,7 @@ def test_gpu_route_decode_normalizing_is_route_decode_of_its_norm(case, name):
     config = MoEConfig(max_tokens=num_tokens, dtype=jnp.bfloat16, **kwargs, **routing_kwargs)
     router, x, bias = _decode_route_inputs(case, True)
     h = (x.astype(F32) * 3.0 + 0.5).astype(jnp.bfloat16)  # not already normalised
-    step = jax.jit(lambda r, h, s: jax_moe.ops.route_decode_normalizing(r, h, s, bias), donate_argnums=2)
+    step = jax.jit(lambda r, h, s: jax_moe.routing.route_decode_normalizing(r, h, s, bias), donate_argnums=2)
     assert "jax_moe_decode_route_norm" in step.lower(router, h, init_scratch(config)).compile().as_text()
     scratch = init_scratch(config)
     results = []
@@ -364,45 +361,44 @@ def test_gpu_route_decode_normalizing_is_route_decode_of_its_norm(case, name):
     ulps = _bf16_ulps(n, want_n)
     assert ulps.max() <= 1.0, ulps.max()
     assert (ulps == 0).mean() >= 0.99, (ulps == 0).mean()
-    want_weights, want_ids, want_logits, _ = jax.jit(lambda r, n, s: jax_moe.ops.route_decode(r, n, s, bias))(
+    want_weights, want_ids, want_logits, _ = jax.jit(lambda r, n, s: jax_moe.routing.route_decode(r, n, s, bias))(
         router, jnp.asarray(n), init_scratch(config))
     np.testing.assert_array_equal(logits, np.asarray(want_logits))
     np.testing.assert_array_equal(ids, np.asarray(want_ids))
     np.testing.assert_array_equal(weights, np.asarray(want_weights))
 
 
-def test_route_decode_normalizing_elsewhere_is_rms_norm_then_route_decode(monkeypatch):
-    """Off the GPU (forced as in the test above it): n = rms_norm(h) and route_decode of it, bitwise;
-    bad operands raise ValueError naming them; differentiating raises (inference only)."""
-    monkeypatch.setattr(jax_moe._native, "HAS_CUDA", True)
-    monkeypatch.setattr(jax_moe._native, "decode_route_slices", lambda hidden: 1)
+def test_route_decode_normalizing_elsewhere_is_rms_norm_then_route_decode():
+    """Off the GPU (the XLA branch, with the CUDA module built or not): n = rms_norm(h) and
+    route_decode of it, bitwise; bad operands raise ValueError naming them; differentiating raises
+    (inference only)."""
     config = MoEConfig(num_experts=16, top_k=4, hidden_size=64, max_tokens=3, dtype=jnp.bfloat16, **DEEPSEEK_LIKE)
     rng = np.random.default_rng(5)
     router = jnp.asarray(rng.standard_normal((64, 16)) / 8, jnp.bfloat16)
     h = jnp.asarray(rng.standard_normal((3, 64)) * 4, jnp.bfloat16)
     bias = jnp.asarray(rng.standard_normal(16) / 8, F32)
     with jax.default_device(jax.devices("cpu")[0]):
-        n, weights, ids, logits, scratch = jax.jit(jax_moe.ops.route_decode_normalizing)(
+        n, weights, ids, logits, scratch = jax.jit(jax_moe.routing.route_decode_normalizing)(
             router, h, init_scratch(config), bias)
         def unfused(router, h, scratch, bias):
             n = jax_moe.ops.rms_norm(h)
-            return (n, *jax_moe.ops.route_decode(router, n, scratch, bias)[:3])
+            return (n, *jax_moe.routing.route_decode(router, n, scratch, bias)[:3])
 
         want_n, want_weights, want_ids, want_logits = jax.jit(unfused)(router, h, init_scratch(config), bias)
         for got, want in ((n, want_n), (weights, want_weights), (ids, want_ids), (logits, want_logits)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         assert scratch.workspace.shape == init_scratch(config).workspace.shape
         with pytest.raises(ValueError, match=r"route_decode_normalizing: x: expected shape \(3, 64\)"):
-            jax_moe.ops.route_decode_normalizing(router, h[:, :32], init_scratch(config), bias)
+            jax_moe.routing.route_decode_normalizing(router, h[:, :32], init_scratch(config), bias)
         with pytest.raises(ValueError, match="not differentiable"):
-            jax.grad(lambda h: jax_moe.ops.route_decode_normalizing(router, h, init_scratch(config))[1].sum())(
+            jax.grad(lambda h: jax_moe.routing.route_decode_normalizing(router, h, init_scratch(config))[1].sum())(
                 h.astype(F32).astype(jnp.bfloat16))
 
 
 @pytest.mark.gpu
-def test_gpu_decode_stack_normalizes_in_the_router_like_xla(monkeypatch):
+def test_gpu_decode_stack_normalizes_in_the_router_like_xla():
     """The inference stack at decode runs the norm in the router's launch; against the same stack with
-    XLA's norm (stack.DECODE_ROUTER_NORMALIZES off) the output is within bf16 rounding (n differs by
+    XLA's norm (a plan with ``norm_in_router`` off) the output is within bf16 rounding (n differs by
     at most one bf16 rounding, rarely), and that program has the plain router."""
     num_tokens = 2
     config = MoEConfig(num_experts=64, top_k=6, hidden_size=256, max_tokens=num_tokens, dtype=jnp.bfloat16,
@@ -410,24 +406,25 @@ def test_gpu_decode_stack_normalizes_in_the_router_like_xla(monkeypatch):
     params = init_moe_params(jax.random.key(0), config, 3, 128, router_bias=True, shared_ffn_size=128)
     x = (jax.random.normal(jax.random.key(1), (num_tokens, 256)) * 2).astype(jnp.bfloat16)
 
-    def run():
+    def run(**policy):
         # One compile: the output and the program's text from the same executable.
-        step = jax.jit(lambda p, x, s: moe_stack(p, x, s)[0]).lower(params, x, init_scratch(config)).compile()
+        layer_plan = jax_moe.plan_layer(config, num_tokens, params, **policy)
+        step = jax.jit(lambda p, x, s: moe_stack(p, x, s, plan=layer_plan)[0]).lower(
+            params, x, init_scratch(config)).compile()
         return np.asarray(step(params, x, init_scratch(config)), F32), step.as_text()
 
     got, program = run()
     assert "jax_moe_decode_route_norm" in program
-    monkeypatch.setattr(jax_moe.stack, "DECODE_ROUTER_NORMALIZES", False)
-    want, plain = run()
+    want, plain = run(router_normalizes=False)
     assert "jax_moe_decode_route_norm" not in plain and "jax_moe_decode_route" in plain
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("name", list(ROUTINGS))
-def test_route_decode_gradient_is_route_logits_gradient(name, monkeypatch):
+def test_route_decode_gradient_is_route_logits_gradient(name):
     """route_decode's backward (XLA's, of the weights at the kept ids and of the logits) gives the
     gradient that differentiating router_logits + route_logits gives, in router and x; the bias
-    gets none. On the CPU (the XLA branch, forced with the CUDA module present as well)."""
+    gets none. On the CPU (the XLA branch, with the CUDA module built or not)."""
     config = MoEConfig(num_experts=16, top_k=4, hidden_size=64, max_tokens=3, dtype=jnp.bfloat16, **ROUTINGS[name])
     rng = np.random.default_rng(5)
     router = jnp.asarray(rng.standard_normal((64, 16)) / 8, jnp.bfloat16)
@@ -437,7 +434,7 @@ def test_route_decode_gradient_is_route_logits_gradient(name, monkeypatch):
     d_logits = jnp.asarray(rng.standard_normal((3, 16)), F32)
 
     def via_decode(router, x, bias):
-        weights, _, logits, _ = jax_moe.ops.route_decode(router, x, init_scratch(config), bias)
+        weights, _, logits, _ = jax_moe.routing.route_decode(router, x, init_scratch(config), bias)
         return jnp.sum(weights * d_weights) + jnp.sum(logits * d_logits)
 
     def via_xla(router, x, bias):
@@ -446,20 +443,17 @@ def test_route_decode_gradient_is_route_logits_gradient(name, monkeypatch):
         return jnp.sum(weights * d_weights) + jnp.sum(logits * d_logits)
 
     want = jax.jit(jax.grad(via_xla, argnums=(0, 1, 2)))(router, x, bias)
-    for has_cuda in (False, True):
-        monkeypatch.setattr(jax_moe._native, "HAS_CUDA", has_cuda)
-        monkeypatch.setattr(jax_moe._native, "decode_route_slices", lambda hidden: 1)
+    for has_cuda in (jax_moe._native.HAS_CUDA,):
         with jax.default_device(jax.devices("cpu")[0]):
             got = jax.jit(jax.grad(via_decode, argnums=(0, 1, 2)))(router, x, bias)
-        assert jax_moe.ops.decode_route_fits(config, 3, router.dtype) == has_cuda  # the platform branch
+        assert jax_moe.routing.decode_route_fits(config, 3, router.dtype) == has_cuda  # the platform branch
         for g, w in zip(got, want):  # the same float32 math, each gradient rounded to its input's dtype
             np.testing.assert_array_equal(np.asarray(g, F32), np.asarray(w, F32))
         assert np.abs(np.asarray(got[0], F32)).sum() > 0 and not np.asarray(got[2]).any()
 
 
-def test_decode_route_fits_its_limits(monkeypatch):
-    monkeypatch.setattr(jax_moe._native, "HAS_CUDA", True)
-    fits = jax_moe.ops.decode_route_fits
+def test_decode_route_fits_its_limits():
+    fits = jax_moe.routing.decode_route_sizes_fit
     qwen3 = MoEConfig(num_experts=128, top_k=8, hidden_size=2048, max_tokens=64, dtype=jnp.bfloat16)
     assert fits(qwen3, 1, jnp.bfloat16) and fits(qwen3, 16, jnp.bfloat16)
     assert not fits(qwen3, 17, jnp.bfloat16)  # more tokens than the kernel routes
@@ -470,14 +464,14 @@ def test_decode_route_fits_its_limits(monkeypatch):
     assert not fits(odd, 1, jnp.bfloat16)  # E not a multiple of 8 (Qwen1.5-MoE's 60)
     many = MoEConfig(num_experts=1024, top_k=8, hidden_size=2048, max_tokens=4, dtype=jnp.bfloat16)
     assert not fits(many, 1, jnp.bfloat16)  # more experts than the kernel's 512
-    monkeypatch.setattr(jax_moe._native, "HAS_CUDA", False)
-    assert not fits(qwen3, 1, jnp.bfloat16)
+    # The kernel runs only where the CUDA module is built.
+    assert jax_moe.routing.decode_route_fits(qwen3, 1, jnp.bfloat16) == jax_moe._native.HAS_CUDA
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing_name", ["softmax-renormalized", "deepseek-v3"])
 def test_gpu_decode_stack_uses_the_decode_router_and_training_does_not(routing_name):
-    num_tokens = jax_moe.ops.DECODE_ROUTE_TOKENS
+    num_tokens = jax_moe.tuning.DEFAULT_TUNING.router_kernel_max_tokens
     config = MoEConfig(num_experts=64, top_k=6, hidden_size=256, max_tokens=num_tokens, dtype=jnp.bfloat16,
                        **ROUTINGS[routing_name])
     params = init_moe_params(jax.random.key(0), config, 2, 128, router_bias=routing_name != "softmax-renormalized",
@@ -495,31 +489,30 @@ def test_gpu_decode_stack_uses_the_decode_router_and_training_does_not(routing_n
 
 
 @pytest.mark.gpu
-def test_gpu_decode_stack_prefetches_gate_up_without_changing_a_bit(monkeypatch):
+def test_gpu_decode_stack_prefetches_gate_up_without_changing_a_bit():
     """An inference step on the decode kernel permutes with the gate/up prefetch (ops.permute's
-    hint); with ``DECODE_PREFETCH_BYTES = 0`` the step runs the plain permute and gives the same
-    bits; the training step never prefetches."""
-    num_tokens = jax_moe.ops.DECODE_ROUTE_TOKENS
+    hint); with a plan without it the step runs the plain permute and gives the same bits; the
+    training step never prefetches."""
+    num_tokens = jax_moe.tuning.DEFAULT_TUNING.router_kernel_max_tokens
     config = MoEConfig(num_experts=64, top_k=6, hidden_size=256, max_tokens=num_tokens, dtype=jnp.bfloat16)
     params = init_moe_params(jax.random.key(0), config, 2, 128, shared_ffn_size=128)
     x = jax.random.normal(jax.random.key(1), (num_tokens, 256)).astype(jnp.bfloat16)
 
-    def step_and_program():
-        step = jax.jit(lambda p, x, s: moe_stack(p, x, s)[0])
+    def step_and_program(**policy):
+        layer_plan = jax_moe.plan_layer(config, num_tokens, params, **policy)
+        step = jax.jit(lambda p, x, s: moe_stack(p, x, s, plan=layer_plan)[0])
         compiled = step.lower(params, x, init_scratch(config)).compile()
         return np.asarray(step(params, x, init_scratch(config))), compiled
 
     got, program = step_and_program()
     assert "jax_moe_permute_prefetch" in program.as_text()
-    monkeypatch.setattr(jax_moe.ops, "DECODE_PREFETCH_BYTES", 0)
-    want, plain_program = step_and_program()
+    want, plain_program = step_and_program(prefetch=False)
     assert "jax_moe_permute_prefetch" not in plain_program.as_text()
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
     # The layer's gate/up slice feeds the permute as it feeds the GEMM, never as a copy (a layer's
     # gate/up is 8 MB here).
     temp = [p.memory_analysis().temp_size_in_bytes for p in (program, plain_program)]
     assert temp[0] <= temp[1] + (1 << 20), temp
-    monkeypatch.undo()
     grad = jax.jit(jax.grad(lambda p, x, s: jnp.sum(moe_stack(p, x, s)[0].astype(F32))))
     assert "jax_moe_permute_prefetch" not in grad.lower(params, x, init_scratch(config)).compile().as_text()
     layer = jax.tree.map(lambda a: a[0], params)  # moe_layer takes the hint too

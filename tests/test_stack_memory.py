@@ -16,7 +16,7 @@ import pytest
 
 from jax_moe import MoEConfig, _native, init_scratch
 from jax_moe.demo import compiled_memory
-from jax_moe.layers import init_moe_params, moe_layer, moe_stack
+from jax_moe import init_moe_params, moe_layer, moe_stack
 from jax_moe.scratch import BUFFER_NAMES
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "results" / "stack_memory_cpu.json"
@@ -133,7 +133,7 @@ def test_no_scratch_copies_in_a_donated_layer_or_training_step():
     text = train.lower(params, x, scratch).compile().as_text()
     assert scratch_copies(text, scratch) == []
     # One permute per layer, in the rolled forward scan. XLA:GPU's dynamic-slice fusion once
-    # cloned it into a second call that wrote the stacked residual (see ops.fence_results).
+    # cloned it into a second call that wrote the stacked residual (see _ffi.fence_results).
     if _native.HAS_CPU if jax.default_backend() == "cpu" else _native.HAS_CUDA:
         assert text.count('custom_call_target="jax_moe_permute"') == 1, "permute cloned or missing"
 

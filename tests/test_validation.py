@@ -357,3 +357,49 @@ def test_load_moe_checks_max_tokens_first(tmp_path):
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match=rf"load_moe: max_tokens: expected a positive integer, got {bad!r}"):
             jax_moe.hf.load_moe(_empty_checkpoint(tmp_path), max_tokens=bad)
+
+
+# ---- errors raised inside the composite functions name the function the user called ----
+
+def _stack_case(num_layers=2):
+    config = jax_moe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, max_tokens=8, dtype=F32)
+    params = jax_moe.init_moe_params(jax.random.key(0), config, num_layers, 8)
+    return config, params, jnp.zeros((8, 16), F32)
+
+
+def test_moe_stack_errors_name_moe_stack_and_the_argument():
+    config, params, x = _stack_case()
+    scratch = jax_moe.init_scratch(config)
+    layer = jax.tree.map(lambda a: a[0], params)
+    other = jax_moe.init_scratch(jax_moe.MoEConfig(num_experts=8, top_k=2, hidden_size=32, max_tokens=8, dtype=F32))
+    wide_gate_up = dict(params, gate_up=jnp.zeros((2, 4, 16, 20), F32))
+    cases = [
+        (lambda: jax_moe.moe_stack(params, jnp.zeros((16, 16), F32), scratch),
+         "moe_stack: x: expected 1 to 8 tokens in all (the scratch's config.max_tokens), got 16"),
+        (lambda: jax_moe.moe_stack(params, x, other), "moe_stack: scratch: built for another config than the params"),
+        (lambda: jax_moe.moe_stack(layer, x, scratch),
+         "moe_stack: params: expected params stacked on a leading layer axis L"),
+        (lambda: jax_moe.moe_layer(params, x, scratch), "moe_layer: params: expected one layer's params"),
+        (lambda: jax_moe.moe_stack(wide_gate_up, x, scratch),
+         "moe_stack: params['gate_up'] and params['down']: expected down's F to be half gate_up's 2F, got 2F = 20"),
+        (lambda: jax_moe.moe_layer(layer, x.astype(BF16), scratch),
+         "moe_layer: x: expected dtype float32 (the scratch's config.dtype), got bfloat16"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+
+
+def test_moe_config_rejects_more_routes_than_experts():
+    with pytest.raises(ValueError, match=re.escape("MoEConfig.top_k: expected at most num_experts=4 (each token "
+                                                   "picks distinct experts), got 5")):
+        jax_moe.MoEConfig(num_experts=4, top_k=5, hidden_size=16, max_tokens=8)
+
+
+def test_vmap_of_moe_stack_says_what_to_do_instead():
+    config, params, _ = _stack_case()
+    x = jnp.ones((3, 2, 16), F32)
+    with pytest.raises(ValueError, match=re.escape("moe_stack: x: jax.vmap of moe_stack is not supported")):
+        jax.vmap(lambda x: jax_moe.moe_stack(params, x, jax_moe.init_scratch(config))[0])(x)
+    y, _ = jax_moe.moe_stack(params, x, jax_moe.init_scratch(config))  # the batch as leading axes instead
+    assert y.shape == x.shape

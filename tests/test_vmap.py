@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jax_moe import MoEConfig, init_scratch, permute, unpermute
-from jax_moe.layers import init_moe_params, moe_layer
+from jax_moe import init_moe_params, moe_layer
 from jax_moe.scratch import BUFFER_NAMES
 
 B, T, H = 3, 6, 16
