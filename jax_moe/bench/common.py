@@ -1,0 +1,459 @@
+"""What every suite shares: the clock, compiling and timing programs, the copy and dense ceilings,
+the stack's params, processes of their own (peers), and the records and tables the suites write."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+from jax import lax
+
+import jax_moe
+from jax_moe import _native
+from jax_moe.bench.models import ROW_DTYPE
+from jax_moe.config import MoEConfig
+
+WARMUP_CALLS = 2  # the first calls load kernels and record command buffers (CUDA graphs)
+TARGET_SECONDS = 0.15  # wall time one measurement aims at; sets the repeat count within:
+MIN_REPEATS, MAX_REPEATS = 5, 40
+LOOP_COUNTS = (1, 4)  # calls in the two in-graph loops whose difference times one call ...
+LOOP_GROWTH, LOOP_MAX_CALLS = 8, 256  # ... the second growing while the difference is below its noise
+HAS_BENCH = getattr(_native, "HAS_BENCH", False)  # the optional bench module (CMake JAX_MOE_BENCH=ON)
+COPY_KIND = ("jax_moe_bench_copy (cudaMemcpyAsync device to device)" if HAS_BENCH
+             else "an XLA elementwise copy (the bench module, JAX_MOE_BENCH=ON, is not built)")
+MISSING = "–"
+
+PER_LAYER_METHOD = (
+    "per layer = (t(L2) - t(L1)) / (L2 - L1), t(L) being the median wall time of one call of a jitted "
+    "program scanning L layers, from dispatch to block_until_ready, its state threaded from call to call: "
+    "host dispatch and per-program costs cancel. The two programs are compiled ahead and called "
+    f"alternately, after {WARMUP_CALLS} warm-up calls, {MIN_REPEATS}-{MAX_REPEATS} times (about "
+    f"{TARGET_SECONDS} s a case).")
+STEP_METHOD = (
+    f"a jitted step compiled ahead, {WARMUP_CALLS} warm-up calls, then {MIN_REPEATS}-{MAX_REPEATS} timed "
+    f"steps (about {TARGET_SECONDS} s a case): latency = median of single steps from dispatch to "
+    "block_until_ready; back to back = mean of steps dispatched without waiting, the state threaded.")
+LOOP_METHOD = (
+    "per call = (t(N2) - t(N1)) / (N2 - N1), t(N) the median wall time of a jitted fori_loop of N calls whose "
+    "operands pass an optimisation barrier each iteration (nothing hoisted) and whose every output feeds the "
+    f"loop's result (nothing dead); N1, N2 = {LOOP_COUNTS}, N2 growing up to {LOOP_MAX_CALLS} while the "
+    "difference is within its noise.")
+
+
+class Clock:
+    """Seconds since the run started, and progress lines prefixed with them."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def log(self, message: str) -> None:
+        print(f"[{self.elapsed():7.1f}s] {message}", flush=True)
+
+    def out_of_time(self, time_limit_s: float | None, notes: list | None, what: str) -> bool:
+        """True once ``time_limit_s`` has passed; then ``what`` is noted as not run."""
+        if time_limit_s is None or self.elapsed() <= time_limit_s:
+            return False
+        if notes is not None:
+            notes.append(f"{what}: not run, the time limit ({time_limit_s:.0f} s) was reached")
+        return True
+
+
+def describe_error(e: Exception) -> str:
+    """One line for the record and the log: a failing case is recorded and the run goes on."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+
+
+def measure_isolated(rows: list, notes: list, clock: Clock, failure: str, measure: Callable[[], list],
+                     on_rows: Callable[[list, list], Any] | None = None) -> None:
+    """``rows.extend(measure())``, or a note ``failure: <error>`` (e.g. out of memory) so that the other
+    models and shapes still run; then ``on_rows(rows, notes)`` saves what there is."""
+    try:
+        rows.extend(measure())
+    except Exception as e:
+        notes.append(f"{failure}: {describe_error(e)}")
+        clock.log(notes[-1])
+    if on_rows:
+        on_rows(rows, notes)
+
+
+# --- compiling and timing -------------------------------------------------------------------------
+
+_BUFFER_COPY = re.compile(r"= \S+\[\d[^\]]*\]\S* copy\(| copy-start\(")  # not scalar copies
+
+
+def buffer_copies(compiled) -> int | None:
+    """Copies of non-scalar buffers in a compiled program (a copied scratch is a cost a row should show)."""
+    try:
+        return len(_BUFFER_COPY.findall(compiled.as_text()))
+    except Exception:  # a diagnostic only
+        return None
+
+
+def peak_bytes(compiled) -> int | None:
+    """XLA's memory analysis of a program: arguments + outputs + temporaries - aliased bytes."""
+    try:
+        m = compiled.memory_analysis()
+        return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                - m.alias_size_in_bytes)
+    except Exception:  # not every backend reports it
+        return None
+
+
+def card_bytes() -> int | None:
+    """The JAX allocator's limit on the default device (None where it reports none: CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    return stats.get("bytes_limit") if stats else None
+
+
+def _timed_call(program, state, *args) -> tuple[float, Any]:
+    start = time.perf_counter()
+    state = jax.block_until_ready(program(state, *args))
+    return time.perf_counter() - start, state
+
+
+def _repeats(seconds_per_round: float) -> int:
+    return max(MIN_REPEATS, min(MAX_REPEATS, int(TARGET_SECONDS / max(seconds_per_round, 1e-9))))
+
+
+def _interquartile(values: list[float]) -> float:
+    if len(values) < 4:
+        return max(values) - min(values)
+    quartiles = statistics.quantiles(values, n=4)
+    return quartiles[2] - quartiles[0]
+
+
+def per_layer_seconds(programs: dict[int, Any], state, xs: dict[int, Any]) -> tuple[dict, Any]:
+    """Per-layer time of ``programs`` (L -> compiled ``program(state, xs[L]) -> state``) by
+    PER_LAYER_METHOD: two layer counts, called alternately (drift hits both alike), medians.
+    Returns ``({"per_layer_s", "spread_s", "program_s": {L: median}, "repeats"}, state)``; spread_s,
+    the two interquartile ranges over L2 - L1, says how far to trust per_layer_s."""
+    small, large = sorted(programs)
+    for _ in range(WARMUP_CALLS):
+        round_seconds = 0.0
+        for layers in (small, large):
+            seconds, state = _timed_call(programs[layers], state, xs[layers])
+            round_seconds += seconds
+    samples = {small: [], large: []}
+    repeats = _repeats(round_seconds)
+    for _ in range(repeats):
+        for layers in (small, large):
+            seconds, state = _timed_call(programs[layers], state, xs[layers])
+            samples[layers].append(seconds)
+    medians = {layers: statistics.median(values) for layers, values in samples.items()}
+    return {"per_layer_s": (medians[large] - medians[small]) / (large - small),
+            "spread_s": sum(map(_interquartile, samples.values())) / (large - small),
+            "program_s": medians, "repeats": repeats}, state
+
+
+def step_seconds(program, state, *args) -> tuple[dict, Any]:
+    """One jitted step ``program(state, *args) -> state`` by STEP_METHOD: its latency and back to back."""
+    for _ in range(WARMUP_CALLS):
+        seconds, state = _timed_call(program, state, *args)
+    repeats, latencies = _repeats(2 * seconds), []
+    for _ in range(repeats):
+        seconds, state = _timed_call(program, state, *args)
+        latencies.append(seconds)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        state = program(state, *args)
+    state = jax.block_until_ready(state)
+    return {"latency_s": statistics.median(latencies), "back_to_back_s": (time.perf_counter() - start) / repeats,
+            "repeats": repeats}, state
+
+
+def time_stack_step(step, state, params, x, layers: int, donate: bool = True) -> dict:
+    """A stack step ``step(state, params, x) -> state`` by STEP_METHOD, the state threaded (donated):
+    µs a step (latency, back to back) and a layer (back to back / ``layers``)."""
+    compiled = jax.jit(step, donate_argnums=(0,) if donate else ()).lower(state, params, x).compile()
+    measured, _ = step_seconds(compiled, state, params, x)
+    return {"step_us_latency": measured["latency_s"] * 1e6, "step_us_back_to_back": measured["back_to_back_s"] * 1e6,
+            "us_per_layer": measured["back_to_back_s"] * 1e6 / layers, "repeats": measured["repeats"],
+            "hlo_buffer_copies": buffer_copies(compiled)}
+
+
+@dataclasses.dataclass
+class ScanProgram:
+    """A program ``fn(state, xs) -> state`` scanning the L layers of ``xs[L]``, timed per layer."""
+
+    fn: Callable
+    make_state: Callable[[], Any]  # fresh buffers each call: a donated state is consumed
+    xs: dict  # layer count -> the scan's inputs
+    donate: bool = True
+
+
+def time_scans(programs: dict[str, ScanProgram], threads: int, clock: Clock, where: str) -> dict[str, dict]:
+    """Each program lowered and compiled for every L, ``threads`` at a time (XLA compiles without the
+    GIL; compiling dominates the permute suite), then timed one by one (``per_layer_seconds``).
+    Returns name -> its row's fields, or ``{"error": ...}``."""
+    def compile_program(program):
+        start = time.perf_counter()
+        spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), program.make_state())
+        jitted = jax.jit(program.fn, donate_argnums=(0,) if program.donate else ())
+        return {layers: jitted.lower(spec, xs).compile() for layers, xs in program.xs.items()}, time.perf_counter() - start
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+        futures = {name: pool.submit(compile_program, program) for name, program in programs.items()}
+    clock.log(f"{where}: compiled {len(programs)} programs")
+    rows = {}
+    for name, program in programs.items():
+        try:
+            executables, compile_s = futures[name].result()
+            measured, _ = per_layer_seconds(executables, program.make_state(), program.xs)
+            rows[name] = {"us_per_layer": measured["per_layer_s"] * 1e6, "spread_us": measured["spread_s"] * 1e6,
+                          "program_us": {str(k): s * 1e6 for k, s in measured["program_s"].items()},
+                          "repeats": measured["repeats"], "compile_s": round(compile_s, 3),
+                          "hlo_buffer_copies": {str(k): buffer_copies(e) for k, e in executables.items()}}
+            clock.log(f"{where} {name}: {rows[name]['us_per_layer']:.2f} us/layer")
+        except Exception as e:  # recorded; the other cases still run
+            rows[name] = {"error": describe_error(e)}
+            clock.log(f"{where} {name}: {rows[name]['error']}")
+    return rows
+
+
+def consume_all(tree) -> jax.Array:
+    """A float32 scalar that depends on every leaf of ``tree``: all leaves pass one optimisation barrier
+    (materialised in full) and one element of each feeds the scalar. XLA deletes what no output reads:
+    a loop that kept one leaf of a gradient once timed a quarter of the backward."""
+    leaves = jax.tree.leaves(lax.optimization_barrier(tree))
+    return sum((leaf.reshape(-1)[0].astype(jnp.float32) for leaf in leaves if leaf.size), start=jnp.float32(0))
+
+
+def loop_program(fn, calls: int, consume=consume_all):
+    """``program(operands) -> float32``: ``fn(*operands) -> (out, operands)`` called ``calls`` times in a
+    ``fori_loop``, the operands threaded behind a barrier and every call's outputs consumed."""
+    def program(operands):
+        def body(_, carry):
+            operands, total = carry
+            out, operands = fn(*lax.optimization_barrier(operands))
+            return operands, total + consume(out)
+        return lax.fori_loop(0, calls, body, (operands, jnp.float32(0)))[1]
+    return program
+
+
+def loop_seconds(fn, operands, measure=per_layer_seconds) -> dict:
+    """Seconds per call of ``fn(*operands) -> (out, operands)`` by LOOP_METHOD. A call of a few µs can sit
+    below the noise of N2 - N1 = 3 calls (a loaded CPU once gave a negative time): while the time is not
+    above its spread, N2 grows LOOP_GROWTH-fold up to LOOP_MAX_CALLS, where a time <= 0 raises."""
+    small, large = LOOP_COUNTS
+    compiled = {}
+    while True:
+        for calls in (small, large):
+            if calls not in compiled:
+                compiled[calls] = jax.jit(loop_program(fn, calls)).lower(operands).compile()
+        programs = {n: (lambda _state, _xs, c=compiled[n]: c(operands)) for n in (small, large)}
+        result, _ = measure(programs, None, dict.fromkeys(programs))
+        if result["per_layer_s"] > max(0.0, result["spread_s"]) or large >= LOOP_MAX_CALLS:
+            break
+        large = min(LOOP_MAX_CALLS, large * LOOP_GROWTH)
+    if result["per_layer_s"] <= 0:
+        raise RuntimeError(f"time per call not resolved above the timing noise at N2 = {large}: "
+                           f"{result['per_layer_s'] * 1e6:.2f} µs, spread {result['spread_s'] * 1e6:.2f} µs")
+    return {"s": result["per_layer_s"], "spread_s": result["spread_s"], "repeats": result["repeats"], "n2": large}
+
+
+# --- ceilings -------------------------------------------------------------------------------------
+
+def runtime_zero(tree) -> jax.Array:
+    """An int32 scalar read from every leaf of ``tree``: 0 at run time (no NaN, no INT_MIN in these
+    buffers), but not provably 0, so whatever it feeds depends on all of ``tree``."""
+    flags = []
+    for leaf in jax.tree.leaves(tree):
+        first = leaf.reshape(-1)[0]
+        flags.append(first != first if jnp.issubdtype(first.dtype, jnp.floating)
+                     else first == jnp.iinfo(jnp.int32).min)
+    return sum(flag.astype(jnp.int32) for flag in flags)
+
+
+def device_copy(buffer: jax.Array, salt: jax.Array | None = None) -> jax.Array:
+    """A copy XLA can neither hoist out of a loop nor drop: COPY_KIND. The XLA copy adds ``salt``
+    (``runtime_zero`` of the buffer, or of a loop's per-layer input) to every element."""
+    if HAS_BENCH:
+        return jax.ffi.ffi_call("jax_moe_bench_copy", jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+                                has_side_effect=True)(buffer)
+    return buffer + (runtime_zero(buffer) if salt is None else salt).astype(buffer.dtype)
+
+
+def ceilings(clock: Clock, notes: list, trials: int = 3) -> tuple[float | None, float | None]:
+    """The card's copy rate (GB/s, read + write bytes) and dense bf16 jnp.dot rate (TFLOP/s), each the best
+    of ``trials`` (a ceiling: one slow trial must not lower every roofline of the run), and a note each."""
+    copy_bytes, n = (1 << 30, 8192) if jax.default_backend() == "gpu" else (1 << 24, 256)  # CPU: the harness only
+    # An XLA copy or product is carried to the next call: XLA:CPU drops barriers and would compute only the
+    # element a loop reads. (A carried custom-call copy would be copied again into the carry.)
+    copy = (lambda b: (device_copy(b), (b,))) if HAS_BENCH else (lambda b: (c := device_copy(b), (c,)))  # noqa: E731
+    dot = lambda a, b: (c := jnp.dot(a, b, preferred_element_type=jnp.float32).astype(ROW_DTYPE), (a, c))  # noqa: E731
+    a = (jax.random.normal(jax.random.key(0), (n, n)) / n ** 0.5).astype(ROW_DTYPE)  # products stay near 1
+    rates = []
+    for what, fn, operands, work, unit in (("copy", copy, (jnp.ones((copy_bytes // 2,), ROW_DTYPE),), copy_bytes / 1e9,
+                                            f"GB/s, {COPY_KIND}"),
+                                           ("dense", dot, (a, a), 2 * n ** 3 / 1e12, f"TFLOP/s, a bf16 jnp.dot of {n}^3")):
+        try:
+            rates.append(work / min(loop_seconds(fn, operands)["s"] for _ in range(trials)))
+            notes.append(f"{what} ceiling: {fmt_us(rates[-1])} {unit}")
+        except Exception as e:
+            rates.append(None)
+            notes.append(f"{what} ceiling: not measured: {describe_error(e)}")
+    clock.log("; ".join(notes[-2:]))
+    return rates[0], rates[1]
+
+
+def roofline(bytes_moved: float, flops: float, copy_gbs: float | None, dense_tflops: float | None) -> dict:
+    """The longer of the byte bound (bytes / copy rate) and the FLOP bound (flops / dense rate), µs,
+    and which one it is; nothing where a rate was not measured."""
+    if not copy_gbs or not dense_tflops:
+        return {}
+    byte_us, flop_us = bytes_moved / (copy_gbs * 1e3), flops / (dense_tflops * 1e6)
+    return {"roofline_us": max(byte_us, flop_us), "byte_roofline_us": byte_us, "flop_roofline_us": flop_us,
+            "bound": "bytes" if byte_us >= flop_us else "FLOPs"}
+
+
+# --- params and processes -------------------------------------------------------------------------
+
+def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int, *, fp8: bool = False, **options) -> dict:
+    """``init_moe_params`` drawn one expert at a time (``lax.map``) and stacked to [L, El, ...].
+
+    With ``fp8`` each expert is quantised as it is drawn (``jax_moe.fp8``): the same draws, never a
+    bf16 copy of the stack (DeepSeek-V3's would not fit beside its FP8 one). The router and the
+    options' small leaves come from ``init_moe_params`` with the full config.
+    """
+    from jax_moe import fp8 as moe_fp8
+
+    local = config.num_local_experts
+    one_expert = MoEConfig(num_experts=1, top_k=1, hidden_size=config.hidden_size, max_tokens=1, dtype=config.dtype)
+    maybe_quantized = moe_fp8.quantize_params if fp8 else (lambda p: p)
+
+    def expert(expert_key):
+        drawn = jax_moe.init_moe_params(expert_key, one_expert, 1, ffn_size)
+        return maybe_quantized({name: leaf[0, 0] for name, leaf in drawn.items() if name != "router"})
+
+    def build(k):
+        router_key, experts_key = jax.random.split(k)
+        small = jax_moe.init_moe_params(router_key, config, layers, 1, **options)
+        small = maybe_quantized({name: leaf for name, leaf in small.items() if name not in ("gate_up", "down")})
+        experts = lax.map(expert, jax.random.split(experts_key, layers * local))
+        return {**small, **{name: leaf.reshape(layers, local, *leaf.shape[1:]) for name, leaf in experts.items()}}
+
+    return jax.jit(build)(key)
+
+
+def run_child(args: list[str], timeout_s: float | None, env: dict | None = None):
+    """``python ARGS OUT`` in a process of its own, which writes one JSON value to the file OUT; its log
+    goes to this process's output. Raises RuntimeError when it times out or writes nothing."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = pathlib.Path(folder, "out.json")
+        try:
+            done = subprocess.run([sys.executable, *args, str(out)], timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"its process ran past {timeout_s:.0f} s") from None
+        if done.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"its process exited with status {done.returncode} (its log is above)")
+        return json.loads(out.read_text())
+
+
+def run_torch_peer(model, layers: int, tokens, steps: int, warmup: int, timeout_s: float, decode: bool = False):
+    """``torch_peer.py`` for a model (its JSON), or ``{"error": ...}``; JAX is kept off the card there."""
+    script = pathlib.Path(__file__).with_name("torch_peer.py")
+    args = [str(script), "--experts", str(model.num_experts), "--top-k", str(model.top_k), "--hidden",
+            str(model.hidden_size), "--ffn", str(model.ffn_size), "--layers", str(layers), "--steps", str(steps),
+            "--warmup", str(warmup), *(["--decode"] if decode else []), "--tokens", *map(str, tokens), "--out"]
+    try:
+        return run_child(args, timeout_s, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    except RuntimeError as e:
+        return {"error": f"peer: {e}"}
+
+
+# --- records and tables ---------------------------------------------------------------------------
+
+def environment() -> dict:
+    device = jax.devices()[0]
+    return {"device_kind": device.device_kind, "platform": device.platform, "device_count": jax.device_count(),
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "jax_moe": jax_moe.__version__,
+            "native_cpu": _native.HAS_CPU, "native_cuda": _native.HAS_CUDA, "native_bench": HAS_BENCH,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python -m jax_moe.bench " + " ".join(sys.argv[1:]),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "xla_python_client_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")}
+
+
+def fmt_us(value) -> str:
+    if value is None:
+        return MISSING
+    return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}" if abs(value) < 100 else f"{value:,.0f}"
+
+
+def fmt_ratio(value) -> str:
+    return MISSING if value is None else f"{value:.2f}x"
+
+
+def fmt_pct(value) -> str:
+    return MISSING if value is None else f"{value:.0f}%"
+
+
+def fmt_text(value) -> str:
+    return MISSING if value is None else str(value)
+
+
+def table(header: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines])
+
+
+def cell(impl: str, field: str, fmt=fmt_us):
+    """A ``pivot`` column: ``fmt`` of ``field`` in the row of ``impl``; "error" where it failed."""
+    def value(by: dict) -> str:
+        row = by.get(impl)
+        return MISSING if row is None else "error" if "error" in row else fmt(row.get(field))
+    return value
+
+
+def speedup(impl: str, ours: str, field: str):
+    """A ``pivot`` column: ``impl``'s ``field`` over ``ours``'s (> 1: ours is faster)."""
+    def value(by: dict) -> str:
+        theirs, mine = by.get(impl, {}).get(field), by.get(ours, {}).get(field)
+        return fmt_ratio(theirs / mine) if theirs and mine else MISSING
+    return value
+
+
+def pivot(rows: list[dict], keys: tuple[str, ...], columns, name: str = "impl") -> str:
+    """A markdown table of ``rows``: one line per distinct value of ``keys`` (in order of appearance),
+    one column per ``(header, cell(rows of the line by their name field))``."""
+    lines = []
+    for key in dict.fromkeys(tuple(r[k] for k in keys) for r in rows):
+        by = {r[name]: r for r in rows if tuple(r[k] for k in keys) == key}
+        lines.append([str(v) for v in key] + [value(by) for _, value in columns])
+    return table([*keys, *(header for header, _ in columns)], lines)
+
+
+def document(title: str, record: dict, body: str) -> str:
+    """A suite's markdown: what ran where, the method, ``body`` (its tables), the notes and the errors."""
+    env = record["meta"]
+    errors = [f"- {' '.join(str(r[k]) for k in ('model', 'T', 'impl', 'case', 'variant', 'scan', 'capacity') if k in r)}"
+              f": {r['error']}" for r in record["rows"] if "error" in r]
+    return "\n".join([
+        f"# {title}", "",
+        f"- device: **{env['device_kind']}** ({env['platform']}), jax {env['jax']}, jaxlib {env['jaxlib']}, "
+        f"jax_moe {env['jax_moe']} (native CPU {env['native_cpu']}, CUDA {env['native_cuda']}, "
+        f"bench {env.get('native_bench')}), python {env['python']}",
+        f"- date: {env['date']}, run time {record['elapsed_s']:.0f} s",
+        f"- command: `{env['command']}`" + (f" with XLA_FLAGS=`{env['xla_flags']}`" if env["xla_flags"] else ""),
+        f"- method: {record['method']}", "", body, "", "## Notes", "", *[f"- {n}" for n in record["notes"]], "",
+        *(["## Errors", "", *errors, ""] if errors else [])])
