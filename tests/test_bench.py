@@ -9,6 +9,8 @@ import dataclasses
 import json
 import math
 import re
+import subprocess
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -304,6 +306,27 @@ def test_cli_writes_json_and_markdown_where_asked(tmp_path):
     assert record["meta"]["device_kind"] in markdown and permute_suite.METHOD in markdown
     pair = next(r for r in record["rows"] if r["case"] == "jax_moe/pair" and r["scan"] == "rolled")
     assert common.fmt_us(pair["us_per_layer"]) in markdown
+
+
+def test_cli_writes_to_a_scratch_folder_and_never_over_committed_results(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the standard library's, not jax_moe's
+    assert cli.parse_args([]).out == tmp_path / "tmp" / "jax_moe_bench"
+    quick = ["--suite", "permute", "--models", "tiny", "--tokens", "1", "--layers", "1", "2"]
+    cli.main(quick)
+    assert (tmp_path / "tmp" / "jax_moe_bench" / "bench_permute.json").is_file()
+    assert str(tmp_path / "tmp" / "jax_moe_bench") in capsys.readouterr().out
+    results = tmp_path / "results"  # a folder with a committed result, as notebooks/results
+    results.mkdir()
+    (results / "bench_permute.json").write_text("committed\n")
+    git = lambda *args: subprocess.run(["git", "-C", str(results), *args], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    git("add", "bench_permute.json")
+    with pytest.raises(SystemExit):
+        cli.parse_args([*quick, "--out", str(results)])
+    assert "--overwrite" in capsys.readouterr().err
+    assert (results / "bench_permute.json").read_text() == "committed\n"
+    cli.main([*quick, "--out", str(results), "--overwrite"])
+    assert json.loads((results / "bench_permute.json").read_text())["suite"] == "permute"
 
 
 def test_cli_selection():

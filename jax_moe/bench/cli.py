@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import pathlib
+import subprocess
 import tempfile
 
 from jax_moe.bench import (common, decode_suite, gemm_suite, models, parallel_suite, permute_suite, stack_suite,
@@ -33,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--suite", choices=(*SUITES, "all"), default="all", help=f"all: {', '.join(ALL)}")
     parser.add_argument("--out", type=pathlib.Path, default=None,
                         help=f"folder for bench_<suite>.json and .md (default: {default_out()})")
+    parser.add_argument("--overwrite", action="store_true", help="replace result files that git tracks")
     parser.add_argument("--quick", action="store_true", help="a small subset: a minute or two on a GPU")
     parser.add_argument("--models", nargs="+", metavar="NAME", help=f"from {', '.join(models.MODELS)}")
     parser.add_argument("--tokens", nargs="+", metavar="T", help="token counts (default: per suite)")
@@ -56,7 +58,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--layers: expected 1 <= L1 < L2, got {args.layers}")
     args.suites = ALL if args.suite == "all" else (args.suite,)
     args.out = args.out or default_out()
+    tracked = tracked_files([args.out / f"bench_{name}.{ext}" for name in args.suites for ext in ("json", "md")])
+    if tracked and not args.overwrite:
+        parser.error(f"--out {args.out}: would overwrite {', '.join(map(str, tracked))}, which git tracks; pass "
+                     "--overwrite to replace them, or choose another --out")
     return args
+
+
+def tracked_files(paths: list[pathlib.Path]) -> list[pathlib.Path]:
+    """The existing ``paths`` that git tracks (none where git is missing or the folder is no repository)."""
+    found = []
+    for path in (p for p in paths if p.is_file()):
+        try:
+            done = subprocess.run(["git", "-C", str(path.parent), "ls-files", "--error-unmatch", path.name],
+                                  capture_output=True)
+        except OSError:
+            return []
+        if done.returncode == 0:
+            found.append(path)
+    return found
 
 
 def selection(args, suite) -> tuple[list, tuple[int, ...]]:
