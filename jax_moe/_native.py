@@ -1,8 +1,14 @@
-"""Loads the native modules and registers their FFI handlers with XLA, once, at import."""
+"""Loads the native modules and registers their FFI handlers with XLA, once, at import.
+
+Also the constants the kernels and Python share (``constants``) and the scratch workspace's size
+(``workspace_words``): defined once in cuda/constants.h and cuda/workspace_layout.h, exported by
+both native modules, so the CPU module alone provides them.
+"""
 
 from __future__ import annotations
 
 import importlib
+import types
 import warnings
 
 import jax
@@ -49,9 +55,25 @@ def _register(module_name: str, platform: str):
     return module
 
 
-HAS_CPU = _register("_jax_moe_cpu", "cpu") is not None
+_CPU_MODULE = _register("_jax_moe_cpu", "cpu")
+HAS_CPU = _CPU_MODULE is not None
 _CUDA_MODULE = _register("_jax_moe_cuda", "CUDA")
 HAS_CUDA = _CUDA_MODULE is not None
+
+_SHARED_MODULE = _CPU_MODULE if _CPU_MODULE is not None else _CUDA_MODULE
+if _SHARED_MODULE is None:
+    raise ImportError("jax_moe: neither native module (jax_moe._jax_moe_cpu, jax_moe._jax_moe_cuda) is built; "
+                      "they hold the constants jax_moe shares with its kernels. Reinstall: pip install .")
+
+# The constants and enum values of cuda/constants.h by name, e.g. constants.GEMM_TILE_SMALL_M,
+# constants.FP8_BLOCK, constants.DECODE_ROUTE_MAX_TOKENS, constants.ROUTING_TILE_ROUTES.
+constants = types.SimpleNamespace(**{name: int(value) for name, value in _SHARED_MODULE.constants().items()})
+
+
+def workspace_words(routes: int, num_local: int, gemm_bytes: int) -> int:
+    """int32 words of a scratch's workspace (cuda/workspace_layout.h) for T_max * k routes over
+    num_local experts, with gemm_bytes of the grouped GEMMs' arguments (0 without the CUDA module)."""
+    return int(_SHARED_MODULE.workspace_words(routes, num_local, gemm_bytes))
 
 
 def _register_bench() -> bool:

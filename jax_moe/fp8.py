@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BLOCK = 128
+from jax_moe import _native
+
+BLOCK = _native.constants.FP8_BLOCK  # the weights' scale blocks are BLOCK x BLOCK, the rows' 1 x BLOCK
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 INV_FP8_MAX = np.float32(1.0) / np.float32(FP8_MAX)  # rounded once, as the CUDA kernels' 1.0f / 448.0f

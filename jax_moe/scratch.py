@@ -13,24 +13,21 @@ from jax_moe.config import MoEConfig
 
 BUFFER_NAMES = ("permuted", "src_index", "dest_index", "group_sizes", "expert_offsets", "workspace")
 
-# Routes per tile of the multi-launch CUDA routing; the workspace holds one count per
-# (local expert, tile) plus one total per expert. Must equal kTileRoutes in cuda/gpu_kernels.cu.
-ROUTING_TILE = 1024
+# Routes per tile of the multi-launch CUDA routing (cuda/workspace_layout.h).
+ROUTING_TILE = _native.constants.ROUTING_TILE_ROUTES
 
 
-# Element types of the CUDA grouped GEMM (cuda/grouped_gemm_impl.cuh): only configs of these
+# Element types of the CUDA grouped GEMM (cuda/grouped_gemm_cutlass.cuh): only configs of these
 # dtypes reserve room for its arguments in the workspace.
 GROUPED_MATMUL_DTYPES = (jnp.dtype(jnp.bfloat16),)
-# Its K and N must be multiples of this (16-byte rows for the tensor-memory accelerator;
-# kGemmAlignElements in cuda/grouped_gemm.h).
-GROUPED_MATMUL_ALIGN = 8
+# Its K and N must be multiples of this (16-byte rows for the tensor-memory accelerator).
+GROUPED_MATMUL_ALIGN = _native.constants.GEMM_ALIGN_ELEMENTS
 
 
 # The workspace ends in COUNTER_WORDS words that permute and the GEMMs never touch; its very last
-# word is the decode router's arrival counter (cuda/route_kernels.h), zero between calls: zeroed
-# by init_scratch and reset by the kernel itself. The room before it keeps the counter clear of
-# the GEMM's arguments whatever their 128-byte alignment shift.
-COUNTER_WORDS = 32
+# word is the decode router's arrival counter, zero between calls: zeroed by init_scratch and reset
+# by the kernel itself (the layout: cuda/workspace_layout.h).
+COUNTER_WORDS = _native.constants.WORKSPACE_RESERVED_WORDS
 
 
 def workspace_size(config: MoEConfig) -> int:
@@ -40,17 +37,15 @@ def workspace_size(config: MoEConfig) -> int:
     The first ones are never live at once (each call leaves nothing in it for the next), so they
     share the buffer and take the largest of the sizes.
     """
-    tiles = -(-config.max_tokens * config.top_k // ROUTING_TILE)
-    routing_words = config.num_local_experts * (tiles + 1)
     gemm_bytes = 0
     if config.dtype in GROUPED_MATMUL_DTYPES:
         gemm_bytes = max(_native.grouped_matmul_workspace_bytes(config.num_local_experts),
                          _native.fp8_grouped_matmul_workspace_bytes(config.num_local_experts))
-    return max(routing_words, -(-gemm_bytes // 4)) + COUNTER_WORDS
+    return _native.workspace_words(config.max_tokens * config.top_k, config.num_local_experts, gemm_bytes)
 
 
 def buffer_shapes(config: MoEConfig) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shape and dtype of each scratch buffer for ``config`` (DESIGN.md §3)."""
+    """Shape and dtype of each scratch buffer for ``config`` (the contract in ``jax_moe.ops``)."""
     num_local = config.num_local_experts
     i32 = jnp.int32
     return {
