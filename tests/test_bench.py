@@ -153,29 +153,23 @@ def test_timing_loop_keeps_every_output():
     assert not has_dot(common.loop_program(fn, 2, consume=lambda out: jax.tree.leaves(out)[0].reshape(-1)[0]))
 
 
-def test_gemm_suite_measures_each_implementation_and_the_layer():
+def test_gemm_suite_measures_each_implementation():
     # 64 tokens, not fewer: an op of a few µs can drown in a loaded CPU's noise.
-    notes = []
-    gemm_rows = {r["impl"]: r for r in gemm_suite.measure_gemm(TINY, 64, common.Clock(), notes, copy_gbs=1.0)}
-    assert {"jax_moe", "ragged_dot", "dense"} <= set(gemm_rows), gemm_rows  # Pallas Mosaic GPU: an error on CPU
-    for row in (r for r in gemm_rows.values() if "error" not in r):
+    rows = {r["impl"]: r for r in gemm_suite.measure(TINY, 64, common.Clock(), [], copy_gbs=1.0)}
+    assert {"jax_moe", "ragged_dot", "dense", "ragged_dot_mgpu"} <= set(rows), rows  # Pallas Mosaic GPU fails on CPU
+    for row in (r for r in rows.values() if "error" not in r):
         assert row["us"] > 0 and _close(row["tflops"], row["flops"] / row["us"] / 1e6)
         assert row["flops"] == 2 * 64 * TINY.top_k * TINY.hidden_size * 2 * TINY.ffn_size
         assert _close(row["pct_of_copy"], 100 * row["weight_gbs"] / 1.0)
-    layer = {r["impl"]: r for r in gemm_suite.measure_layer(TINY, 64, common.Clock(), with_grad=True)}
-    assert set(layer) == {"jax_moe", "baseline", "jax_moe/fwd+bwd", "baseline/fwd+bwd"}
-    assert all(r["us"] > 0 for r in layer.values()), layer
-    text = gemm_suite.table([*gemm_rows.values(), *layer.values()])
-    assert "| tiny | 64 |" in text and "Whole MoE layer" in text and f"| {common.fmt_us(layer['jax_moe/fwd+bwd']['us'])} |" in text
+        assert _close(row["pct_of_dense"], 100 * row["tflops"] / rows["dense"]["tflops"])
+    assert f"| tiny | 64 | {common.fmt_us(rows['jax_moe']['us'])} |" in gemm_suite.table(list(rows.values()))
 
 
 def test_gemm_suite_times_fp8_experts_against_bf16_from_fp8_min_tokens():
     tokens = gemm_suite.FP8_MIN_TOKENS
-    by = {r["impl"]: r for r in gemm_suite.measure_gemm(TINY128, tokens, common.Clock(), [])}
+    by = {r["impl"]: r for r in gemm_suite.measure(TINY128, tokens, common.Clock(), [])}
     assert by["jax_moe/fp8"]["us"] > 0 and by["jax_moe/fp8"]["flops"] == by["jax_moe"]["flops"]
-    assert "jax_moe/fp8" not in {r["impl"] for r in gemm_suite.measure_gemm(TINY128, tokens // 2, common.Clock(), [])}
-    layer = {r["impl"]: r for r in gemm_suite.measure_layer(TINY128, tokens, common.Clock(), with_grad=False)}
-    assert layer["jax_moe/fp8"]["us"] > 0 and layer["jax_moe"]["us"] > 0
+    assert "jax_moe/fp8" not in {r["impl"] for r in gemm_suite.measure(TINY128, tokens // 2, common.Clock(), [])}
     assert f"{by['jax_moe']['us'] / by['jax_moe/fp8']['us']:.2f}x" in gemm_suite.table(list(by.values()))
 
 
@@ -184,20 +178,18 @@ def test_train_suite_runs_jax_moe_and_baseline_steps():
     by = {r["impl"]: r for r in rows}
     assert set(by) == {"jax_moe", "baseline"}, rows
     for row in by.values():
-        assert row["step_us"] > 0 and _close(row["us_per_layer"], row["step_us"] / train_suite.LAYERS["tiny"])
+        assert row["step_us"] > 0 and _close(row["us_per_layer"], row["step_us"] / TINY.train_layers)
         assert _close(row["tflops"], row["flops_per_layer"] / row["us_per_layer"] / 1e6)
         assert row["flops_per_layer"] == 3 * 2 * 8 * TINY.top_k * TINY.hidden_size * 3 * TINY.ffn_size
         assert row["peak_bytes"] > 0 and _close(row["roofline_pct"], 100 * row["roofline_us"] / row["us_per_layer"])
     assert any("peer: not run" in n for n in notes) and any(n.startswith("copy ceiling") for n in notes)
-    assert f"| tiny | 8 | {train_suite.LAYERS['tiny']} | {common.fmt_us(by['jax_moe']['us_per_layer'])} |" in train_suite.table(rows)
+    assert f"| tiny | 8 | {TINY.train_layers} | {common.fmt_us(by['jax_moe']['us_per_layer'])} |" in train_suite.table(rows)
 
 
 def test_the_peer_runs_in_a_process_of_its_own_and_reports_its_failure():
-    """No GPU here: the PyTorch peer's process reports why it did not run; a failing process raises."""
+    """No GPU here: the PyTorch peer's process reports why it did not run."""
     result = common.run_torch_peer(TINY, 2, (4,), 1, 1, 300)
     assert set(result) == {"error"} or result["results"][0]["error"], result
-    with pytest.raises(RuntimeError, match="status 3"):
-        common.run_child(["-c", "import sys; sys.exit(3)"], 60)
 
 
 def _decode_rows(rows):
@@ -205,7 +197,7 @@ def _decode_rows(rows):
 
 
 def test_decode_suite_reports_each_variant_against_its_roofline():
-    rows, notes = decode_suite.run([TINY128], (1, 64), common.Clock(), with_peer=False, isolate=False)
+    rows, notes = decode_suite.run([TINY128], (1, 64), common.Clock(), with_peer=False)
     by = _decode_rows(rows)
     params = jax.eval_shape(lambda: common.init_stack_params(jax.random.key(0), TINY128.config(64), 2, 128))
     for tokens in (1, 64):  # the variants whose plan differs from jax_moe's (on CPU: none)
@@ -243,10 +235,10 @@ def test_decode_variants_switch_off_one_choice_each_on_a_gpu_plan():
 
 def test_decode_suite_measures_a_model_in_a_process_of_its_own():
     """The rows of a child process describe the same routing and bytes as this process's (a scratch
-    for more tokens than T changes neither); a peer's rows pass through; a bad model is an error."""
-    here = decode_suite.measure_model(TINY, (2,), common.Clock(), layers=2)
-    peer = {2: {"us_per_layer": 123.0}}
-    child = decode_suite.measure_model_in_child(TINY, (2,), 4000.0, 100.0, peer, 300, scratch_tokens=64, layers=2)
+    for more tokens than T changes neither); a peer's rows pass through; a failing child raises."""
+    here = decode_suite.measure_model(TINY, (2,), layers=2)
+    child = common.in_child("jax_moe.bench.decode_suite:measure_model", 300, model="tiny", token_counts=[2],
+                            peer=[{"T": 2, "us_per_layer": 123.0}], scratch_tokens=64, layers=2)
     by_impl = {r["impl"]: r for r in child}
     assert set(by_impl) == {*(r["impl"] for r in here), "peer"} and by_impl["peer"]["us_per_layer"] == 123.0
     for row in here:
@@ -254,8 +246,8 @@ def test_decode_suite_measures_a_model_in_a_process_of_its_own():
         assert (got["scratch_tokens"], row["scratch_tokens"]) == (64, 2) and got["us_per_layer"] > 0
         for key in ("T", "layers", "active_experts", "bytes_per_layer", "plan"):
             assert got[key] == row[key], (key, got[key], row[key])
-    with pytest.raises(ValueError, match="model"):
-        decode_suite.measure_model_in_child(dataclasses.replace(TINY, ffn_size=64), (2,))
+    with pytest.raises(RuntimeError, match="status 3"):
+        common.run_child(["-c", "import sys; sys.exit(3)"], 60)
 
 
 def test_stacks_fit_the_card_and_a_suite_and_its_peer_use_one_count():
@@ -267,8 +259,9 @@ def test_stacks_fit_the_card_and_a_suite_and_its_peer_use_one_count():
     h200, h100 = 0.92 * 150.2e9, 0.92 * 85.0e9
     for limit, want in ((h200, [4, 8]), (None, [4, 8]), (h100, [2, 4]), (1e9, [MIN_LAYERS, MIN_LAYERS])):
         assert [decode_suite.stack_layers(m, limit) for m in (deepseek, qwen35)] == want
+        assert [m.stack_layers for m in (deepseek, qwen35)] == [4, 8]
     names = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
-    assert [train_suite.train_layers(MODELS[n], h200) for n in names] == [train_suite.LAYERS[n] for n in names]
+    assert [train_suite.train_layers(MODELS[n], h200) for n in names] == [MODELS[n].train_layers for n in names]
     assert [train_suite.train_layers(MODELS[n], h100) for n in names] == [4, 8, 1, 2]
     small_card = 2.5 * TINY.layer_param_bytes() / PARAMS_SHARE
     layers, notes = stack_counts([TINY], lambda m, limit: m.layers_that_fit(3, limit), small_card)

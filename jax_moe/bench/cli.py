@@ -103,8 +103,8 @@ def main(argv=None) -> dict:
                    "decode": {"with_peer": not args.no_peer, "scratch_tokens": args.scratch_tokens}}.get(name, {})
 
         def save(rows, notes, name=name, suite=suite, start=start, options=options):
-            record = {"suite": name, "meta": env, "method": suite.METHOD, "options": options, "notes": notes,
-                      "rows": rows, "elapsed_s": clock.elapsed() - start}
+            record = {"suite": name, "meta": env, "about": " ".join(suite.__doc__.split()), "method": suite.METHOD,
+                      "options": options, "notes": notes, "rows": rows, "elapsed_s": clock.elapsed() - start}
             (args.out / f"bench_{name}.json").write_text(json.dumps(record, indent=1, default=float) + "\n")
             (args.out / f"bench_{name}.md").write_text(common.document(suite.TITLE, record, suite.table(rows)) + "\n")
             records[name] = record

@@ -1,5 +1,5 @@
-"""What every suite shares: the clock, compiling and timing programs, the copy and dense ceilings,
-the stack's params, processes of their own (peers), and the records and tables the suites write."""
+"""What the suites share: the clock, the timing harnesses, the ceilings, the stack's params, processes
+of their own (peers, one model at a time), and the records and tables they write."""
 
 from __future__ import annotations
 
@@ -31,28 +31,25 @@ from jax_moe.config import MoEConfig
 WARMUP_CALLS = 2  # the first calls load kernels and record command buffers (CUDA graphs)
 TARGET_SECONDS = 0.15  # wall time one measurement aims at; sets the repeat count within:
 MIN_REPEATS, MAX_REPEATS = 5, 40
-LOOP_COUNTS = (1, 4)  # calls in the two in-graph loops whose difference times one call ...
-LOOP_GROWTH, LOOP_MAX_CALLS = 8, 256  # ... the second growing while the difference is below its noise
+LOOP_COUNTS = (1, 4)  # calls in the two in-graph loops whose difference times one call, the second
+LOOP_GROWTH, LOOP_MAX_CALLS = 8, 256  # growing while the difference is within its noise
 HAS_BENCH = getattr(_native, "HAS_BENCH", False)  # the optional bench module (CMake JAX_MOE_BENCH=ON)
 COPY_KIND = ("jax_moe_bench_copy (cudaMemcpyAsync device to device)" if HAS_BENCH
              else "an XLA elementwise copy (the bench module, JAX_MOE_BENCH=ON, is not built)")
 MISSING = "–"
-
 PER_LAYER_METHOD = (
-    "per layer = (t(L2) - t(L1)) / (L2 - L1), t(L) being the median wall time of one call of a jitted "
-    "program scanning L layers, from dispatch to block_until_ready, its state threaded from call to call: "
-    "host dispatch and per-program costs cancel. The two programs are compiled ahead and called "
-    f"alternately, after {WARMUP_CALLS} warm-up calls, {MIN_REPEATS}-{MAX_REPEATS} times (about "
-    f"{TARGET_SECONDS} s a case).")
+    "per layer = (t(L2) - t(L1)) / (L2 - L1), t(L) the median wall time, dispatch to block_until_ready, of a "
+    "jitted program scanning L layers, its state threaded from call to call: host dispatch and per-program "
+    f"costs cancel. The two programs alternate after {WARMUP_CALLS} warm-up calls, {MIN_REPEATS}-{MAX_REPEATS} "
+    f"times (about {TARGET_SECONDS} s a case).")
 STEP_METHOD = (
-    f"a jitted step compiled ahead, {WARMUP_CALLS} warm-up calls, then {MIN_REPEATS}-{MAX_REPEATS} timed "
-    f"steps (about {TARGET_SECONDS} s a case): latency = median of single steps from dispatch to "
-    "block_until_ready; back to back = mean of steps dispatched without waiting, the state threaded.")
+    f"per step: {WARMUP_CALLS} warm-up calls of the compiled step, then {MIN_REPEATS}-{MAX_REPEATS} (about "
+    f"{TARGET_SECONDS} s a case): latency = median of single steps, dispatch to block_until_ready; back to back "
+    "= mean of steps dispatched without waiting, the state (the scratch) threaded from step to step.")
 LOOP_METHOD = (
     "per call = (t(N2) - t(N1)) / (N2 - N1), t(N) the median wall time of a jitted fori_loop of N calls whose "
     "operands pass an optimisation barrier each iteration (nothing hoisted) and whose every output feeds the "
-    f"loop's result (nothing dead); N1, N2 = {LOOP_COUNTS}, N2 growing up to {LOOP_MAX_CALLS} while the "
-    "difference is within its noise.")
+    f"result (nothing dead); N1, N2 = {LOOP_COUNTS}, N2 growing up to {LOOP_MAX_CALLS} while within its noise.")
 
 
 class Clock:
@@ -67,25 +64,24 @@ class Clock:
     def log(self, message: str) -> None:
         print(f"[{self.elapsed():7.1f}s] {message}", flush=True)
 
-    def out_of_time(self, time_limit_s: float | None, notes: list | None, what: str) -> bool:
+    def out_of_time(self, time_limit_s: float | None, notes: list, what: str) -> bool:
         """True once ``time_limit_s`` has passed; then ``what`` is noted as not run."""
         if time_limit_s is None or self.elapsed() <= time_limit_s:
             return False
-        if notes is not None:
-            notes.append(f"{what}: not run, the time limit ({time_limit_s:.0f} s) was reached")
+        notes.append(f"{what}: not run, the time limit ({time_limit_s:.0f} s) was reached")
         return True
 
 
 def describe_error(e: Exception) -> str:
-    """One line for the record and the log: a failing case is recorded and the run goes on."""
+    """One line for the record and the log: a failing case is recorded, and the run goes on."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
 
 
 def measure_isolated(rows: list, notes: list, clock: Clock, failure: str, measure: Callable[[], list],
                      on_rows: Callable[[list, list], Any] | None = None) -> None:
-    """``rows.extend(measure())``, or a note ``failure: <error>`` (e.g. out of memory) so that the other
-    models and shapes still run; then ``on_rows(rows, notes)`` saves what there is."""
+    """``rows.extend(measure())``, or the note ``failure: <error>`` (out of memory...) so that the other
+    shapes still run; then ``on_rows(rows, notes)`` saves what there is."""
     try:
         rows.extend(measure())
     except Exception as e:
@@ -95,33 +91,16 @@ def measure_isolated(rows: list, notes: list, clock: Clock, failure: str, measur
         on_rows(rows, notes)
 
 
-# --- compiling and timing -------------------------------------------------------------------------
+# --- timing ---------------------------------------------------------------------------------------
 
-_BUFFER_COPY = re.compile(r"= \S+\[\d[^\]]*\]\S* copy\(| copy-start\(")  # not scalar copies
-
-
-def buffer_copies(compiled) -> int | None:
-    """Copies of non-scalar buffers in a compiled program (a copied scratch is a cost a row should show)."""
-    try:
-        return len(_BUFFER_COPY.findall(compiled.as_text()))
-    except Exception:  # a diagnostic only
-        return None
-
-
-def peak_bytes(compiled) -> int | None:
-    """XLA's memory analysis of a program: arguments + outputs + temporaries - aliased bytes."""
-    try:
-        m = compiled.memory_analysis()
-        return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                - m.alias_size_in_bytes)
-    except Exception:  # not every backend reports it
-        return None
+def buffer_copies(compiled) -> int:
+    """Copies of non-scalar buffers in a compiled program: a copied scratch is a cost a row should show."""
+    return len(re.findall(r"= \S+\[\d[^\]]*\]\S* copy\(| copy-start\(", compiled.as_text()))
 
 
 def card_bytes() -> int | None:
     """The JAX allocator's limit on the default device (None where it reports none: CPU)."""
-    stats = jax.devices()[0].memory_stats()
-    return stats.get("bytes_limit") if stats else None
+    return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
 def _timed_call(program, state, *args) -> tuple[float, Any]:
@@ -135,25 +114,21 @@ def _repeats(seconds_per_round: float) -> int:
 
 
 def _interquartile(values: list[float]) -> float:
-    if len(values) < 4:
-        return max(values) - min(values)
-    quartiles = statistics.quantiles(values, n=4)
+    quartiles = statistics.quantiles(values, n=4) if len(values) >= 4 else (min(values), 0, max(values))
     return quartiles[2] - quartiles[0]
 
 
 def per_layer_seconds(programs: dict[int, Any], state, xs: dict[int, Any]) -> tuple[dict, Any]:
-    """Per-layer time of ``programs`` (L -> compiled ``program(state, xs[L]) -> state``) by
-    PER_LAYER_METHOD: two layer counts, called alternately (drift hits both alike), medians.
-    Returns ``({"per_layer_s", "spread_s", "program_s": {L: median}, "repeats"}, state)``; spread_s,
-    the two interquartile ranges over L2 - L1, says how far to trust per_layer_s."""
+    """PER_LAYER_METHOD for ``programs`` (L -> ``program(state, xs[L]) -> state``), called alternately so
+    that drift hits both alike. Returns ``({"per_layer_s", "spread_s", "program_s": {L: median},
+    "repeats"}, state)``; spread_s, both interquartile ranges over L2 - L1, says how far to trust it."""
     small, large = sorted(programs)
     for _ in range(WARMUP_CALLS):
         round_seconds = 0.0
         for layers in (small, large):
             seconds, state = _timed_call(programs[layers], state, xs[layers])
             round_seconds += seconds
-    samples = {small: [], large: []}
-    repeats = _repeats(round_seconds)
+    samples, repeats = {small: [], large: []}, _repeats(round_seconds)
     for _ in range(repeats):
         for layers in (small, large):
             seconds, state = _timed_call(programs[layers], state, xs[layers])
@@ -164,8 +139,9 @@ def per_layer_seconds(programs: dict[int, Any], state, xs: dict[int, Any]) -> tu
             "program_s": medians, "repeats": repeats}, state
 
 
-def step_seconds(program, state, *args) -> tuple[dict, Any]:
-    """One jitted step ``program(state, *args) -> state`` by STEP_METHOD: its latency and back to back."""
+def time_step(program, state, *args, layers: int = 1) -> dict:
+    """STEP_METHOD for a compiled ``program(state, *args) -> state``: µs a step (latency, back to back)
+    and a layer (back to back / ``layers``)."""
     for _ in range(WARMUP_CALLS):
         seconds, state = _timed_call(program, state, *args)
     repeats, latencies = _repeats(2 * seconds), []
@@ -175,19 +151,10 @@ def step_seconds(program, state, *args) -> tuple[dict, Any]:
     start = time.perf_counter()
     for _ in range(repeats):
         state = program(state, *args)
-    state = jax.block_until_ready(state)
-    return {"latency_s": statistics.median(latencies), "back_to_back_s": (time.perf_counter() - start) / repeats,
-            "repeats": repeats}, state
-
-
-def time_stack_step(step, state, params, x, layers: int, donate: bool = True) -> dict:
-    """A stack step ``step(state, params, x) -> state`` by STEP_METHOD, the state threaded (donated):
-    µs a step (latency, back to back) and a layer (back to back / ``layers``)."""
-    compiled = jax.jit(step, donate_argnums=(0,) if donate else ()).lower(state, params, x).compile()
-    measured, _ = step_seconds(compiled, state, params, x)
-    return {"step_us_latency": measured["latency_s"] * 1e6, "step_us_back_to_back": measured["back_to_back_s"] * 1e6,
-            "us_per_layer": measured["back_to_back_s"] * 1e6 / layers, "repeats": measured["repeats"],
-            "hlo_buffer_copies": buffer_copies(compiled)}
+    jax.block_until_ready(state)
+    back_to_back = (time.perf_counter() - start) / repeats * 1e6
+    return {"step_us_latency": statistics.median(latencies) * 1e6, "step_us_back_to_back": back_to_back,
+            "us_per_layer": back_to_back / layers, "repeats": repeats}
 
 
 @dataclasses.dataclass
@@ -201,9 +168,8 @@ class ScanProgram:
 
 
 def time_scans(programs: dict[str, ScanProgram], threads: int, clock: Clock, where: str) -> dict[str, dict]:
-    """Each program lowered and compiled for every L, ``threads`` at a time (XLA compiles without the
-    GIL; compiling dominates the permute suite), then timed one by one (``per_layer_seconds``).
-    Returns name -> its row's fields, or ``{"error": ...}``."""
+    """Each program lowered and compiled for every L, ``threads`` at a time (XLA compiles without the GIL;
+    compiling dominates the permute suite), then timed one by one. Returns name -> its row's fields."""
     def compile_program(program):
         start = time.perf_counter()
         spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), program.make_state())
@@ -222,16 +188,15 @@ def time_scans(programs: dict[str, ScanProgram], threads: int, clock: Clock, whe
                           "program_us": {str(k): s * 1e6 for k, s in measured["program_s"].items()},
                           "repeats": measured["repeats"], "compile_s": round(compile_s, 3),
                           "hlo_buffer_copies": {str(k): buffer_copies(e) for k, e in executables.items()}}
-            clock.log(f"{where} {name}: {rows[name]['us_per_layer']:.2f} us/layer")
         except Exception as e:  # recorded; the other cases still run
             rows[name] = {"error": describe_error(e)}
-            clock.log(f"{where} {name}: {rows[name]['error']}")
+        clock.log(f"{where} {name}: {rows[name].get('us_per_layer', rows[name].get('error'))}")
     return rows
 
 
 def consume_all(tree) -> jax.Array:
-    """A float32 scalar that depends on every leaf of ``tree``: all leaves pass one optimisation barrier
-    (materialised in full) and one element of each feeds the scalar. XLA deletes what no output reads:
+    """A float32 scalar that depends on every leaf of ``tree``: all pass one optimisation barrier (each
+    materialised in full) and one element of each feeds the scalar. XLA deletes what no output reads:
     a loop that kept one leaf of a gradient once timed a quarter of the backward."""
     leaves = jax.tree.leaves(lax.optimization_barrier(tree))
     return sum((leaf.reshape(-1)[0].astype(jnp.float32) for leaf in leaves if leaf.size), start=jnp.float32(0))
@@ -250,9 +215,9 @@ def loop_program(fn, calls: int, consume=consume_all):
 
 
 def loop_seconds(fn, operands, measure=per_layer_seconds) -> dict:
-    """Seconds per call of ``fn(*operands) -> (out, operands)`` by LOOP_METHOD. A call of a few µs can sit
-    below the noise of N2 - N1 = 3 calls (a loaded CPU once gave a negative time): while the time is not
-    above its spread, N2 grows LOOP_GROWTH-fold up to LOOP_MAX_CALLS, where a time <= 0 raises."""
+    """LOOP_METHOD for ``fn(*operands) -> (out, operands)``. A call of a few µs can sit below the noise of
+    N2 - N1 = 3 calls (a loaded CPU once gave a negative time): while the time is not above its spread N2
+    grows LOOP_GROWTH-fold, up to LOOP_MAX_CALLS, where a time <= 0 raises."""
     small, large = LOOP_COUNTS
     compiled = {}
     while True:
@@ -274,12 +239,9 @@ def loop_seconds(fn, operands, measure=per_layer_seconds) -> dict:
 
 def runtime_zero(tree) -> jax.Array:
     """An int32 scalar read from every leaf of ``tree``: 0 at run time (no NaN, no INT_MIN in these
-    buffers), but not provably 0, so whatever it feeds depends on all of ``tree``."""
-    flags = []
-    for leaf in jax.tree.leaves(tree):
-        first = leaf.reshape(-1)[0]
-        flags.append(first != first if jnp.issubdtype(first.dtype, jnp.floating)
-                     else first == jnp.iinfo(jnp.int32).min)
+    buffers) but not provably 0, so whatever it feeds depends on all of ``tree``."""
+    flags = [first != first if jnp.issubdtype(first.dtype, jnp.floating) else first == jnp.iinfo(jnp.int32).min
+             for first in (leaf.reshape(-1)[0] for leaf in jax.tree.leaves(tree))]
     return sum(flag.astype(jnp.int32) for flag in flags)
 
 
@@ -287,7 +249,7 @@ def device_copy(buffer: jax.Array, salt: jax.Array | None = None) -> jax.Array:
     """A copy XLA can neither hoist out of a loop nor drop: COPY_KIND. The XLA copy adds ``salt``
     (``runtime_zero`` of the buffer, or of a loop's per-layer input) to every element."""
     if HAS_BENCH:
-        return jax.ffi.ffi_call("jax_moe_bench_copy", jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+        return jax.ffi.ffi_call(_native.BENCH_COPY_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
                                 has_side_effect=True)(buffer)
     return buffer + (runtime_zero(buffer) if salt is None else salt).astype(buffer.dtype)
 
@@ -316,8 +278,8 @@ def ceilings(clock: Clock, notes: list, trials: int = 3) -> tuple[float | None, 
 
 
 def roofline(bytes_moved: float, flops: float, copy_gbs: float | None, dense_tflops: float | None) -> dict:
-    """The longer of the byte bound (bytes / copy rate) and the FLOP bound (flops / dense rate), µs,
-    and which one it is; nothing where a rate was not measured."""
+    """The longer of the byte bound (bytes / copy rate) and the FLOP bound (flops / dense rate), µs, and
+    which one it is; nothing where a rate was not measured."""
     if not copy_gbs or not dense_tflops:
         return {}
     byte_us, flop_us = bytes_moved / (copy_gbs * 1e3), flops / (dense_tflops * 1e6)
@@ -328,12 +290,9 @@ def roofline(bytes_moved: float, flops: float, copy_gbs: float | None, dense_tfl
 # --- params and processes -------------------------------------------------------------------------
 
 def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int, *, fp8: bool = False, **options) -> dict:
-    """``init_moe_params`` drawn one expert at a time (``lax.map``) and stacked to [L, El, ...].
-
-    With ``fp8`` each expert is quantised as it is drawn (``jax_moe.fp8``): the same draws, never a
-    bf16 copy of the stack (DeepSeek-V3's would not fit beside its FP8 one). The router and the
-    options' small leaves come from ``init_moe_params`` with the full config.
-    """
+    """``init_moe_params`` drawn one expert at a time (``lax.map``), stacked to [L, El, ...]. With ``fp8``
+    each expert is quantised as it is drawn: the same draws, never a bf16 copy of the stack (DeepSeek-V3's
+    would not fit beside its FP8 one). The router and the options' leaves come from the full config."""
     from jax_moe import fp8 as moe_fp8
 
     local = config.num_local_experts
@@ -368,12 +327,20 @@ def run_child(args: list[str], timeout_s: float | None, env: dict | None = None)
         return json.loads(out.read_text())
 
 
+def in_child(function: str, timeout_s: float | None, **kwargs):
+    """``module:function(**kwargs)`` (JSON in and out) in a process of its own, whose device memory goes
+    back to the card when it exits: Qwen3.5-397B ran out of memory as the fourth model of one process."""
+    code = ("import importlib, json, sys; module, name = sys.argv[1].split(':'); json.dump(getattr("
+            "importlib.import_module(module), name)(**json.loads(sys.argv[2])), open(sys.argv[3], 'w'))")
+    return run_child(["-c", code, function, json.dumps(kwargs)], timeout_s)
+
+
 def run_torch_peer(model, layers: int, tokens, steps: int, warmup: int, timeout_s: float, decode: bool = False):
-    """``torch_peer.py`` for a model (its JSON), or ``{"error": ...}``; JAX is kept off the card there."""
-    script = pathlib.Path(__file__).with_name("torch_peer.py")
-    args = [str(script), "--experts", str(model.num_experts), "--top-k", str(model.top_k), "--hidden",
-            str(model.hidden_size), "--ffn", str(model.ffn_size), "--layers", str(layers), "--steps", str(steps),
-            "--warmup", str(warmup), *(["--decode"] if decode else []), "--tokens", *map(str, tokens), "--out"]
+    """``torch_peer.py``'s JSON for a model, or ``{"error": ...}``; JAX is kept off the card there."""
+    args = [str(pathlib.Path(__file__).with_name("torch_peer.py")), "--experts", str(model.num_experts), "--top-k",
+            str(model.top_k), "--hidden", str(model.hidden_size), "--ffn", str(model.ffn_size), "--layers", str(layers),
+            "--steps", str(steps), "--warmup", str(warmup), *(["--decode"] if decode else []),
+            "--tokens", *map(str, tokens), "--out"]
     try:
         return run_child(args, timeout_s, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     except RuntimeError as e:
@@ -387,9 +354,8 @@ def environment() -> dict:
     return {"device_kind": device.device_kind, "platform": device.platform, "device_count": jax.device_count(),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "jax_moe": jax_moe.__version__,
             "native_cpu": _native.HAS_CPU, "native_cuda": _native.HAS_CUDA, "native_bench": HAS_BENCH,
-            "python": platform.python_version(),
+            "python": platform.python_version(), "command": "python -m jax_moe.bench " + " ".join(sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python -m jax_moe.bench " + " ".join(sys.argv[1:]),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "xla_python_client_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")}
 
@@ -444,7 +410,7 @@ def pivot(rows: list[dict], keys: tuple[str, ...], columns, name: str = "impl") 
 
 
 def document(title: str, record: dict, body: str) -> str:
-    """A suite's markdown: what ran where, the method, ``body`` (its tables), the notes and the errors."""
+    """A suite's markdown: what ran where and how, ``body`` (its tables), the notes and the errors."""
     env = record["meta"]
     errors = [f"- {' '.join(str(r[k]) for k in ('model', 'T', 'impl', 'case', 'variant', 'scan', 'capacity') if k in r)}"
               f": {r['error']}" for r in record["rows"] if "error" in r]
@@ -452,8 +418,9 @@ def document(title: str, record: dict, body: str) -> str:
         f"# {title}", "",
         f"- device: **{env['device_kind']}** ({env['platform']}), jax {env['jax']}, jaxlib {env['jaxlib']}, "
         f"jax_moe {env['jax_moe']} (native CPU {env['native_cpu']}, CUDA {env['native_cuda']}, "
-        f"bench {env.get('native_bench')}), python {env['python']}",
+        f"bench {env['native_bench']}), python {env['python']}",
         f"- date: {env['date']}, run time {record['elapsed_s']:.0f} s",
         f"- command: `{env['command']}`" + (f" with XLA_FLAGS=`{env['xla_flags']}`" if env["xla_flags"] else ""),
-        f"- method: {record['method']}", "", body, "", "## Notes", "", *[f"- {n}" for n in record["notes"]], "",
+        f"- what: {record['about']}", f"- method: {record['method']}", "", body, "",
+        "## Notes", "", *[f"- {n}" for n in record["notes"]], "",
         *(["## Errors", "", *errors, ""] if errors else [])])

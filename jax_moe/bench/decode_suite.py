@@ -1,26 +1,23 @@
-"""Suite decode: the whole scanned MoE stack per layer against its roofline, at decode and prefill sizes.
+"""Suite decode: the scanned MoE stack per layer against its roofline, at decode and prefill sizes.
 
-Per model and T (1 to 64 by default; ``--tokens 4096`` for prefill): one jitted step of ``moe_stack``
-over L layers (rolled scan, scratch donated and threaded, each layer routing by its own router), µs
-per layer, for each of VARIANTS: jax_moe's plan (``jax_moe.plan_layer``), and that plan with one
-choice switched off (the decode kernels, the permute's L2 prefetch of the routed experts' weights, the
-shared expert riding the routed experts' decode launches), so each choice is measured in the same
-run; a variant whose plan is jax_moe's runs the same program and is left out. FP8_VARIANTS: the same
-on FP8 experts (the same draws quantised, e4m3 with a float32 scale per 128 x 128 block) where H and F
-are multiples of 128. The PyTorch + Hugging Face peer: L transformers ``Qwen3MoeSparseMoeBlock``s
-(torch grouped_mm) in the same residual stack, its forward in one CUDA graph, in its own process. A
-JAX peer is one more entry of VARIANTS with its own step.
-
-Roofline per layer: the longer of the bytes a layer must read (the experts owning rows, counted on the
-device from the step's own routing and averaged over layers, plus the shared expert and the router) /
-the copy rate, and the forward's FLOPs (router, T*k routed and T shared rows through three projections)
-/ the dense rate (FP8: twice it), both rates measured in the same run.
+Per model and T (1 to 64; ``--tokens 4096`` for prefill): one jitted step of ``moe_stack`` over the
+model's stack depth (rolled scan, scratch donated and threaded, each layer routing by its own router),
+µs a layer = back-to-back step / L, for each of VARIANTS: the plan ``jax_moe.plan_layer`` makes, and that
+plan with one choice switched off (the decode kernels, the permute's L2 prefetch of the routed experts'
+weights, the shared expert riding the routed experts' decode launches), each passed to ``moe_stack`` as
+``plan=``; a variant whose plan is the shipped one is the same program and is not run. FP8_VARIANTS: the
+same on FP8 experts (the same draws quantised: e4m3, a float32 scale a 128 x 128 block) where H and F are
+multiples of 128. The peer: L transformers ``Qwen3MoeSparseMoeBlock``s (torch grouped_mm) in the same
+residual stack, softmax top-k routing and no shared expert for every model, its forward in one CUDA graph
+(PEER_STEPS replays), in its own process. Roofline: the longer of the bytes a layer must read (the
+experts owning rows, counted from the step's own routing and averaged over layers, the shared expert, the
+router) / the copy rate and the forward's FLOPs (router, T*k routed and T shared rows through three
+projections) / the dense rate (FP8: twice it), both rates measured in the run.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import jax
@@ -30,14 +27,12 @@ import numpy as np
 import jax_moe
 from jax_moe import fp8
 from jax_moe.bench import common
-from jax_moe.bench.models import MIN_LAYERS, MODELS as MODEL_SHAPES, ROW_DTYPE, ModelShape, stack_counts
+from jax_moe.bench.models import MODELS as MODEL_SHAPES, ROW_DTYPE, ModelShape, stack_counts
 
 MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 QUICK_MODELS = ("qwen3_30b",)
 QUICK_TOKENS = (1, 16)
-# Enough layers that one layer's experts are not in L2 from the step before, and what fits an H200.
-LAYERS = {"mixtral": 8, "qwen3_30b": 16, "deepseek_v3": 4, "qwen35_397b": 8, "tiny": 2}
 PEER, PEER_STEPS, PEER_WARMUP, PEER_TIMEOUT_S = "peer", 50, 5, 300
 # name -> the plan_layer choices it switches off; the first of each is the plan as shipped.
 VARIANTS = {"jax_moe": {}, "jax_moe/cutlass": {"decode_kernels": False}, "jax_moe/no-prefetch": {"prefetch": False},
@@ -46,10 +41,7 @@ FP8_VARIANTS = {"jax_moe/fp8": {}, "jax_moe/fp8-cutlass": {"fp8_decode_kernel": 
                 "jax_moe/fp8-shared-apart": {"shared_in_decode_launch": False}}
 EXPERT_LEAVES = ("gate_up", "down", *(name + fp8.SCALE_SUFFIX for name in fp8.QUANTIZED_NAMES))
 TITLE = "Decode: the whole stack against its roofline (suite decode)"
-METHOD = ("per layer = back-to-back step time / L (" + common.STEP_METHOD + ") Peer: transformers "
-          f"Qwen3MoeSparseMoeBlocks with torch grouped_mm, the forward in one CUDA graph, {PEER_STEPS} replays "
-          f"after {PEER_WARMUP}, its own process; it has no shared expert and routes by softmax top-k for every "
-          "model. Roofline: the longer of the bytes bound and the FLOP bound (see jax_moe.bench.decode_suite).")
+METHOD = common.STEP_METHOD
 
 
 def variant_plans(variants: dict, config, tokens: int, params, **options) -> dict:
@@ -66,98 +58,66 @@ def layer_bytes(params: dict, active_experts: float) -> float:
 
 
 def layer_flops(model: ModelShape, tokens: int) -> float:
-    """The forward's FLOPs: the router, T*k routed and T shared rows through three projections (H -> 2F -> H)."""
     routed = 2 * tokens * model.top_k * model.hidden_size * 3 * model.ffn_size
     return routed + 2 * tokens * model.hidden_size * (3 * (model.shared_ffn or 0) + model.num_experts)
 
 
 def stack_layers(model: ModelShape, limit_bytes: float | None) -> int:
-    return model.layers_that_fit(LAYERS.get(model.name, model.stack_layers or MIN_LAYERS), limit_bytes)
+    return model.layers_that_fit(model.stack_layers, limit_bytes)
 
 
-def _active_experts(params, x, config) -> float:
-    """Experts owning rows per layer, averaged over the stack's layers, from its own routing."""
-    counts = jax.jit(lambda p, x, s: jax_moe.moe_stack(p, x, s, with_aux=True)[2]["expert_counts"])(
-        params, x, jax_moe.init_scratch(config))
-    return float((np.asarray(counts) > 0).sum(axis=-1).mean())
-
-
-def _time_variants(variants, params, inputs, layers, base_of, dense_tflops, copy_gbs, clock) -> list[dict]:
+def _time_variants(variants, params, inputs, layers, bases, dense_tflops, copy_gbs, clock) -> list[dict]:
     rows = []
     for tokens, (config, x) in inputs.items():
-        base = base_of(tokens)
-        base.update(bytes_per_layer=layer_bytes(params, base["active_experts"]),
-                    **common.roofline(layer_bytes(params, base["active_experts"]), base["flops_per_layer"], copy_gbs,
-                                      dense_tflops))
+        base = {**bases[tokens], "bytes_per_layer": layer_bytes(params, bases[tokens]["active_experts"])}
+        base.update(common.roofline(base["bytes_per_layer"], base["flops_per_layer"], copy_gbs, dense_tflops))
         for name, plan in variant_plans(variants, config, tokens, params).items():
             row = {**base, "impl": name, "plan": str(plan), "tile": plan.tile}
             try:
-                step = lambda state, p, x, plan=plan: jax_moe.moe_stack(p, x, state[1], plan=plan)  # noqa: E731
-                row.update(common.time_stack_step(step, (jnp.zeros_like(x), jax_moe.init_scratch(config)), params, x,
-                                                  layers))
+                state = (jnp.zeros_like(x), jax_moe.init_scratch(config))
+                step = jax.jit(lambda state, p, x, plan=plan: jax_moe.moe_stack(p, x, state[1], plan=plan), donate_argnums=0)
+                row.update(common.time_step(step.lower(state, params, x).compile(), state, params, x, layers=layers))
+                row["pct_roofline"] = row.get("roofline_us") and 100 * row["roofline_us"] / row["us_per_layer"]
             except Exception as e:  # recorded; the other variants still run
                 row["error"] = common.describe_error(e)
-            if row.get("roofline_us") and row.get("us_per_layer"):
-                row["pct_roofline"] = 100 * row["roofline_us"] / row["us_per_layer"]
             rows.append(row)
-        clock.log(f"decode {rows[-1]['model']} T={tokens}: " + ", ".join(
+        clock.log(f"decode {base['model']} T={tokens}: " + ", ".join(
             f"{r['impl']} {r.get('us_per_layer', r.get('error'))}" for r in rows if r["T"] == tokens))
     return rows
 
 
-def measure_model(model: ModelShape, token_counts, clock, copy_gbs=None, dense_tflops=None, peer: dict | None = None,
+def measure_model(model: ModelShape | str, token_counts, copy_gbs=None, dense_tflops=None, peer: list | None = None,
                   scratch_tokens: int | None = None, layers: int | None = None) -> list[dict]:
-    """Every variant's rows and the peer's (``peer``: T -> its result). scratch_tokens: each step's scratch
-    holds max(T, scratch_tokens) tokens (a server decoding on its prefill scratch); layers: L (None: what fits)."""
-    layers = layers or stack_layers(model, common.card_bytes())
-    key = jax.random.key(0)
+    """Every variant's rows and the peer's (its rows, with T). scratch_tokens: each step's scratch holds
+    max(T, scratch_tokens) tokens, as a server's prefill scratch; layers: L (None: what fits the card)."""
+    model, clock = MODEL_SHAPES[model] if isinstance(model, str) else model, common.Clock()
+    layers, key = layers or stack_layers(model, common.card_bytes()), jax.random.key(0)
     stack_args = (key, model.config(max(token_counts)), layers, model.ffn_size)
     params = common.init_stack_params(*stack_args, **model.param_options())
     inputs = {tokens: (model.config(max(tokens, scratch_tokens or 0)),
                        jax.random.normal(jax.random.fold_in(key, tokens), (tokens, model.hidden_size), ROW_DTYPE))
               for tokens in token_counts}
+    count = jax.jit(lambda p, x, s: jax_moe.moe_stack(p, x, s, with_aux=True)[2]["expert_counts"])  # [L, E]
     bases = {tokens: {"model": model.name, "label": model.label, "T": tokens, "scratch_tokens": config.max_tokens,
-                      "layers": layers, "active_experts": _active_experts(params, x, config),
-                      "flops_per_layer": layer_flops(model, tokens)} for tokens, (config, x) in inputs.items()}
-    rows = _time_variants(VARIANTS, params, inputs, layers, lambda t: dict(bases[t]), dense_tflops, copy_gbs, clock)
-    rows += [{**bases[t], "impl": PEER, **{k: v for k, v in r.items() if k in ("us_per_layer", "error")}}
-             for t, r in (peer or {}).items() if t in bases]
+                      "layers": layers, "flops_per_layer": layer_flops(model, tokens), "active_experts": float(
+                          (np.asarray(count(params, x, jax_moe.init_scratch(config))) > 0).sum(-1).mean())}
+             for tokens, (config, x) in inputs.items()}
+    rows = _time_variants(VARIANTS, params, inputs, layers, bases, dense_tflops, copy_gbs, clock)
+    rows += [{**bases[r["T"]], "impl": PEER, **{k: r[k] for k in ("us_per_layer", "error") if k in r}}
+             for r in peer or () if r.get("T") in bases]
     del params
     if model.hidden_size % fp8.BLOCK == 0 and model.ffn_size % fp8.BLOCK == 0:
         # The same draws quantised (so the same routing), built once the bf16 stack is freed.
         params = common.init_stack_params(*stack_args, fp8=True, **model.param_options())
-        rows += _time_variants(FP8_VARIANTS, params, inputs, layers, lambda t: dict(bases[t]),
-                               dense_tflops and 2 * dense_tflops, copy_gbs, clock)  # FP8 tensor cores: twice bf16's rate
+        rows += _time_variants(FP8_VARIANTS, params, inputs, layers, bases, dense_tflops and 2 * dense_tflops,
+                               copy_gbs, clock)  # FP8 tensor cores run at twice the bf16 rate
     return rows
-
-
-_CHILD = "import sys; from jax_moe.bench.decode_suite import child_main; child_main(*sys.argv[1:])"
-
-
-def measure_model_in_child(model: ModelShape, token_counts, copy_gbs=None, dense_tflops=None, peer=None,
-                           timeout_s: float | None = None, scratch_tokens=None, layers=None) -> list[dict]:
-    """``measure_model`` in a process of its own, whose device memory goes back to the card when it exits
-    (Qwen3.5-397B ran out of memory as the fourth model of one process, where alone it runs)."""
-    if MODEL_SHAPES.get(model.name) != model:
-        raise ValueError(f"measure_model_in_child: model: expected one of jax_moe.bench.models.MODELS, got {model.name!r}")
-    spec = {"model": model.name, "tokens": list(token_counts), "copy_gbs": copy_gbs, "dense_tflops": dense_tflops,
-            "peer": peer, "scratch_tokens": scratch_tokens, "layers": layers}
-    return common.run_child(["-c", _CHILD, json.dumps(spec)], timeout_s)
-
-
-def child_main(spec: str, out: str) -> None:
-    spec = json.loads(spec)
-    peer = {int(t): r for t, r in (spec["peer"] or {}).items()}  # JSON keys are strings
-    rows = measure_model(MODEL_SHAPES[spec["model"]], tuple(spec["tokens"]), common.Clock(), spec["copy_gbs"],
-                         spec["dense_tflops"], peer, spec["scratch_tokens"], spec["layers"])
-    with open(out, "w") as f:
-        json.dump(rows, f)
 
 
 def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1, *, on_rows=None, time_limit_s=None,
         with_peer: bool = True, isolate: bool | None = None, scratch_tokens: int | None = None):
-    """isolate: each model in a process of its own; by default for several models on a GPU when this
-    process does not preallocate the card (as the CLI sets it)."""
+    """isolate: each model in a process of its own (``common.in_child``); by default for several models on a
+    GPU when this process does not preallocate the card (as the CLI sets it)."""
     if isolate is None:
         isolate = (len(models) > 1 and jax.default_backend() == "gpu"
                    and os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() == "false")
@@ -166,7 +126,7 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1,
     for model in models if with_peer else ():  # first, before JAX holds any of the card
         result = common.run_torch_peer(model, layers[model.name], token_counts, PEER_STEPS, PEER_WARMUP,
                                        PEER_TIMEOUT_S, decode=True)
-        peers[model.name] = {r["T"]: r for r in result.get("results", [])} or {t: result for t in token_counts}
+        peers[model.name] = result.get("results") or [{"T": t, **result} for t in token_counts]
         clock.log(f"decode peer {model.name}: {peers[model.name]}")
     copy_gbs, dense_tflops = common.ceilings(clock, notes)
     if scratch_tokens:
@@ -175,14 +135,14 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1,
     for model in models:
         if clock.out_of_time(time_limit_s, notes, f"decode {model.name}"):
             break
-        rates, peer = (copy_gbs, dense_tflops), peers.get(model.name)
-        if isolate:
+        options = dict(token_counts=list(token_counts), copy_gbs=copy_gbs, dense_tflops=dense_tflops,
+                       peer=peers.get(model.name), scratch_tokens=scratch_tokens, layers=layers[model.name])
+        if isolate and MODEL_SHAPES.get(model.name) == model:
             remaining = None if time_limit_s is None else max(60.0, time_limit_s - clock.elapsed())
-            measure = functools.partial(measure_model_in_child, model, token_counts, *rates, peer, remaining,
-                                        scratch_tokens, layers[model.name])
+            measure = functools.partial(common.in_child, f"{__name__}:measure_model", remaining, model=model.name,
+                                        **options)
         else:
-            measure = functools.partial(measure_model, model, token_counts, clock, *rates, peer, scratch_tokens,
-                                        layers[model.name])
+            measure = functools.partial(measure_model, model, **options)
         common.measure_isolated(rows, notes, clock, f"decode {model.name}: failed", measure, on_rows)
     return rows, notes
 
@@ -196,11 +156,11 @@ def table(rows: list[dict]) -> str:
             return f"{common.fmt_us(row.get('us_per_layer'))} ({common.fmt_pct(row.get('pct_roofline'))})"
         return value
 
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
     columns = [("experts read", lambda by: f"{next(iter(by.values()))['active_experts']:.1f}"),
-               ("roofline µs", common.cell("jax_moe", "roofline_us")), ("bound", common.cell("jax_moe", "bound", common.fmt_text)),
+               ("roofline µs", common.cell("jax_moe", "roofline_us")),
+               ("bound", common.cell("jax_moe", "bound", common.fmt_text)),
                ("kernel", common.cell("jax_moe", "tile", common.fmt_text))]
-    columns += [(f"{impl} µs (% roofline)", cell(impl)) for impl in impls]
+    columns += [(f"{impl} µs (% roofline)", cell(impl)) for impl in dict.fromkeys(r["impl"] for r in rows)]
     columns += [("peer / jax_moe", common.speedup(PEER, "jax_moe", "us_per_layer")),
                 ("FP8 vs bf16", common.speedup("jax_moe", "jax_moe/fp8", "us_per_layer"))]
     return common.pivot(rows, ("label", "T"), columns)

@@ -16,17 +16,20 @@ MIN_LAYERS = 2
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """One model's MoE layer: E experts, top k, hidden H, expert width F, and its routing options
-    (``MoEConfig`` keywords), shared expert and correction bias (``init_moe_params`` keywords).
-    ``stack_layers`` is the stack suite's depth (None: not in that suite)."""
+    """One model's MoE layer: E experts, top k, hidden H, expert width F, its routing options (``MoEConfig``
+    keywords), shared expert and correction bias (``init_moe_params`` keywords), and the depths of the
+    stacks the suites run: enough layers that one layer's experts are not in L2 from the step before,
+    no more than fit an H200 (``layers_that_fit`` takes fewer on a smaller card), and as many again
+    for a training step's gradients."""
 
     name: str
     label: str
     num_experts: int
     top_k: int
     hidden_size: int
-    ffn_size: int | None = None
-    stack_layers: int | None = None
+    ffn_size: int
+    stack_layers: int
+    train_layers: int
     routing: dict = dataclasses.field(default_factory=dict)
     shared_ffn: int | None = None
     shared_gate: bool = False
@@ -64,13 +67,12 @@ def stack_counts(models, count, limit_bytes: float | None, held: str = "") -> tu
 
 
 MODELS = {m.name: m for m in (
-    ModelShape("mixtral", "Mixtral-8x7B", 8, 2, 4096, ffn_size=14336),
-    ModelShape("qwen3_30b", "Qwen3-30B-A3B", 128, 8, 2048, ffn_size=768, stack_layers=16),
+    ModelShape("mixtral", "Mixtral-8x7B", 8, 2, 4096, 14336, 8, 4),
+    ModelShape("qwen3_30b", "Qwen3-30B-A3B", 128, 8, 2048, 768, 16, 8),
     # 22.5 GB of bf16 experts a layer: 4 layers fit an H200 beside a step's temporaries.
-    ModelShape("deepseek_v3", "DeepSeek-V3", 256, 8, 7168, ffn_size=2048, stack_layers=4,
+    ModelShape("deepseek_v3", "DeepSeek-V3", 256, 8, 7168, 2048, 4, 2,
                routing=dict(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5,
                             renormalize_epsilon=1e-20), shared_ffn=2048, router_bias=True),
-    ModelShape("qwen35_397b", "Qwen3.5-397B-A17B", 512, 10, 4096, ffn_size=1024, stack_layers=8, shared_ffn=1024,
-               shared_gate=True),
-    ModelShape("tiny", "tiny (CPU test)", 8, 2, 64, ffn_size=32, stack_layers=2),  # the harness in seconds, on CPU
+    ModelShape("qwen35_397b", "Qwen3.5-397B-A17B", 512, 10, 4096, 1024, 8, 2, shared_ffn=1024, shared_gate=True),
+    ModelShape("tiny", "tiny (CPU test)", 8, 2, 64, 32, 2, 2),  # the harness in seconds, on CPU
 )}
