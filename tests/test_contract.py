@@ -356,7 +356,7 @@ ID_DTYPES = ("int32", "int8", "int16", "uint8", "uint32", "int64", "uint64")  # 
 def routing_problems(draw):
     # Mostly small E; sometimes more experts than a narrow id dtype can count.
     num_experts = draw(st.one_of(st.integers(1, 12), st.sampled_from([130, 300])))
-    top_k = draw(st.integers(1, 4))
+    top_k = draw(st.integers(1, min(4, num_experts)))  # MoEConfig: distinct experts per token
     max_tokens = draw(st.integers(1, 16))
     num_tokens = draw(st.integers(1, max_tokens))
     hidden = draw(st.sampled_from([1, 2, 3, 5, 8, 16, 24]))
