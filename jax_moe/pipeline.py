@@ -122,8 +122,7 @@ def run_layer(plan: LayerPlan, layer_params: dict, x: jax.Array, scratch: MoEScr
     config = scratch.config if config is None else config
     scratch = lax.stop_gradient(scratch)
     n, weights, ids, logits, scratch = route(plan, layer_params, x, scratch, config, pre_norm)
-    shared = None if plan.shared in SHARED_IN_ROUTED_LAUNCH else experts.shared_experts(layer_params, n, plan)
-    hidden = None
+    hidden = shared = None
     if plan.permute == "fp8_quantize":  # the permute writes the FP8 GEMMs' rows: dispatch and experts in one
         rows_out, scratch = experts.fp8_experts_on_tokens(layer_params, n, ids, scratch, plan)
         state = None
@@ -133,7 +132,10 @@ def run_layer(plan: LayerPlan, layer_params: dict, x: jax.Array, scratch: MoEScr
             rows_out, scratch, hidden = experts.run_experts_keeping_hidden(
                 experts_plan, layer_params, scratch, None if keep_hidden is True else keep_hidden)
         else:
-            rows_out, routed_shared, scratch = experts.run_experts(experts_plan, layer_params, scratch, n, expert_fn)
-            shared = routed_shared if plan.shared in SHARED_IN_ROUTED_LAUNCH else shared
+            rows_out, shared, scratch = experts.run_experts(experts_plan, layer_params, scratch, n, expert_fn)
+    # The shared expert after the routed ones: the order of n's uses is the order JAX sums their
+    # cotangents in, and this one keeps the gradients' bits as they were.
+    if plan.shared not in SHARED_IN_ROUTED_LAUNCH:
+        shared = experts.shared_experts(layer_params, n, plan)
     y, extra = dispatch.combine(plan, rows_out, weights, scratch, state, residual, shared)
     return LayerOutput(y, lax.stop_gradient(scratch), logits, ids, hidden, extra)
