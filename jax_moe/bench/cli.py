@@ -15,7 +15,6 @@ from jax_moe.bench import (common, decode_suite, gemm_suite, models, parallel_su
 SUITES = {"permute": permute_suite, "stack": stack_suite, "gemm": gemm_suite, "decode": decode_suite,
           "train": train_suite, "parallel": parallel_suite}
 ALL = ("permute", "stack", "gemm")  # the others take minutes a model, a peer process, or every device
-DEFAULT_MEM_FRACTION = "0.92"  # JAX's default pool (75 % of the card) cannot hold DeepSeek-V3's stack
 
 
 def default_out() -> pathlib.Path:
@@ -24,8 +23,7 @@ def default_out() -> pathlib.Path:
 
 
 def _names(values: list[str] | None) -> list[str] | None:
-    """Both ``--models a b`` and ``--models a,b``."""
-    return None if values is None else [name for value in values for name in value.split(",") if name]
+    return None if values is None else [name for value in values for name in value.split(",") if name]  # a b or a,b
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,8 +40,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="permute and parallel: the two scan lengths of the per-layer difference")
     parser.add_argument("--compile-threads", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--no-peer", action="store_true", help="train and decode: skip the PyTorch peer")
-    parser.add_argument("--scratch-tokens", type=int, metavar="N",
-                        help="decode: each step's scratch sized for max(T, N) tokens, as a server's prefill scratch")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="start no new shape after this many seconds; what ran is still written")
     args = parser.parse_args(argv)
@@ -51,32 +47,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.tokens = [int(t) for t in _names(args.tokens)] if args.tokens else None
     if [m for m in args.models or () if m not in models.MODELS]:
         parser.error(f"--models: expected names from {list(models.MODELS)}, got {args.models}")
-    if args.scratch_tokens is not None and (args.scratch_tokens < 1 or args.suite != "decode"):
-        parser.error(f"--scratch-tokens: expected a positive count with --suite decode, got {args.scratch_tokens} "
-                     f"with --suite {args.suite}")
     if args.layers is not None and not 1 <= args.layers[0] < args.layers[1]:
         parser.error(f"--layers: expected 1 <= L1 < L2, got {args.layers}")
     args.suites = ALL if args.suite == "all" else (args.suite,)
     args.out = args.out or default_out()
-    tracked = tracked_files([args.out / f"bench_{name}.{ext}" for name in args.suites for ext in ("json", "md")])
+    tracked = tracked_files(args.out, [f"bench_{name}.{ext}" for name in args.suites for ext in ("json", "md")])
     if tracked and not args.overwrite:
-        parser.error(f"--out {args.out}: would overwrite {', '.join(map(str, tracked))}, which git tracks; pass "
-                     "--overwrite to replace them, or choose another --out")
+        parser.error(f"--out {args.out}: would overwrite {', '.join(tracked)}, which git tracks; pass --overwrite "
+                     "to replace them, or choose another --out")
     return args
 
 
-def tracked_files(paths: list[pathlib.Path]) -> list[pathlib.Path]:
-    """The existing ``paths`` that git tracks (none where git is missing or the folder is no repository)."""
-    found = []
-    for path in (p for p in paths if p.is_file()):
-        try:
-            done = subprocess.run(["git", "-C", str(path.parent), "ls-files", "--error-unmatch", path.name],
-                                  capture_output=True)
-        except OSError:
-            return []
-        if done.returncode == 0:
-            found.append(path)
-    return found
+def tracked_files(folder: pathlib.Path, names: list[str]) -> list[str]:
+    """Which of ``names`` in ``folder`` git tracks (none where git is missing or the folder is in no repository)."""
+    try:
+        done = subprocess.run(["git", "-C", str(folder), "ls-files", "--", *names], capture_output=True, text=True)
+    except OSError:
+        return []
+    return done.stdout.split() if done.returncode == 0 else []
 
 
 def selection(args, suite) -> tuple[list, tuple[int, ...]]:
@@ -88,7 +76,8 @@ def selection(args, suite) -> tuple[list, tuple[int, ...]]:
 def main(argv=None) -> dict:
     """Runs the chosen suites, rewriting ``bench_<suite>.json`` and ``.md`` after every shape."""
     args = parse_args(argv)
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION)  # before JAX takes the card
+    # Before JAX takes the card: its default pool (75 % of it) cannot hold DeepSeek-V3's stack.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     if {"train", "decode"} & set(args.suites):  # their PyTorch peer runs first, in a process of its own
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     clock, env, records = common.Clock(), common.environment(), {}
@@ -100,7 +89,7 @@ def main(argv=None) -> dict:
         options = {"permute": {"layer_counts": tuple(args.layers or permute_suite.LAYER_COUNTS)},
                    "parallel": {"layer_counts": tuple(args.layers or parallel_suite.LAYER_COUNTS)},
                    "train": {"with_peer": not args.no_peer},
-                   "decode": {"with_peer": not args.no_peer, "scratch_tokens": args.scratch_tokens}}.get(name, {})
+                   "decode": {"with_peer": not args.no_peer}}.get(name, {})
 
         def save(rows, notes, name=name, suite=suite, start=start, options=options):
             record = {"suite": name, "meta": env, "about": " ".join(suite.__doc__.split()), "method": suite.METHOD,

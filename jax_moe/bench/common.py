@@ -39,9 +39,8 @@ COPY_KIND = ("jax_moe_bench_copy (cudaMemcpyAsync device to device)" if HAS_BENC
 MISSING = "–"
 PER_LAYER_METHOD = (
     "per layer = (t(L2) - t(L1)) / (L2 - L1), t(L) the median wall time, dispatch to block_until_ready, of a "
-    "jitted program scanning L layers, its state threaded from call to call: host dispatch and per-program "
-    f"costs cancel. The two programs alternate after {WARMUP_CALLS} warm-up calls, {MIN_REPEATS}-{MAX_REPEATS} "
-    f"times (about {TARGET_SECONDS} s a case).")
+    "jitted program scanning L layers, its state threaded: host dispatch and per-program costs cancel. The two "
+    f"alternate after {WARMUP_CALLS} warm-up calls, {MIN_REPEATS}-{MAX_REPEATS} times (about {TARGET_SECONDS} s).")
 STEP_METHOD = (
     f"per step: {WARMUP_CALLS} warm-up calls of the compiled step, then {MIN_REPEATS}-{MAX_REPEATS} (about "
     f"{TARGET_SECONDS} s a case): latency = median of single steps, dispatch to block_until_ready; back to back "
@@ -64,12 +63,16 @@ class Clock:
     def log(self, message: str) -> None:
         print(f"[{self.elapsed():7.1f}s] {message}", flush=True)
 
-    def out_of_time(self, time_limit_s: float | None, notes: list, what: str) -> bool:
-        """True once ``time_limit_s`` has passed; then ``what`` is noted as not run."""
+    def out_of_time(self, time_limit_s: float | None, notes: list, what: str) -> bool:  # and notes what did not run
         if time_limit_s is None or self.elapsed() <= time_limit_s:
             return False
         notes.append(f"{what}: not run, the time limit ({time_limit_s:.0f} s) was reached")
         return True
+
+
+def outcome(row: dict, field: str = "us_per_layer") -> str:
+    """A row's time for the log, or its error."""
+    return f"{row[field]:.2f} µs" if field in row else row.get("error", "not run")
 
 
 def describe_error(e: Exception) -> str:
@@ -113,11 +116,6 @@ def _repeats(seconds_per_round: float) -> int:
     return max(MIN_REPEATS, min(MAX_REPEATS, int(TARGET_SECONDS / max(seconds_per_round, 1e-9))))
 
 
-def _interquartile(values: list[float]) -> float:
-    quartiles = statistics.quantiles(values, n=4) if len(values) >= 4 else (min(values), 0, max(values))
-    return quartiles[2] - quartiles[0]
-
-
 def per_layer_seconds(programs: dict[int, Any], state, xs: dict[int, Any]) -> tuple[dict, Any]:
     """PER_LAYER_METHOD for ``programs`` (L -> ``program(state, xs[L]) -> state``), called alternately so
     that drift hits both alike. Returns ``({"per_layer_s", "spread_s", "program_s": {L: median},
@@ -134,9 +132,10 @@ def per_layer_seconds(programs: dict[int, Any], state, xs: dict[int, Any]) -> tu
             seconds, state = _timed_call(programs[layers], state, xs[layers])
             samples[layers].append(seconds)
     medians = {layers: statistics.median(values) for layers, values in samples.items()}
+    quartiles = [statistics.quantiles(values, n=4) for values in samples.values()]
     return {"per_layer_s": (medians[large] - medians[small]) / (large - small),
-            "spread_s": sum(map(_interquartile, samples.values())) / (large - small),
-            "program_s": medians, "repeats": repeats}, state
+            "spread_s": sum(q[2] - q[0] for q in quartiles) / (large - small), "program_s": medians,
+            "repeats": repeats}, state
 
 
 def time_step(program, state, *args, layers: int = 1) -> dict:
@@ -159,11 +158,9 @@ def time_step(program, state, *args, layers: int = 1) -> dict:
 
 @dataclasses.dataclass
 class ScanProgram:
-    """A program ``fn(state, xs) -> state`` scanning the L layers of ``xs[L]``, timed per layer."""
-
-    fn: Callable
+    fn: Callable  # fn(state, xs[L]) -> state, a scan over L layers
     make_state: Callable[[], Any]  # fresh buffers each call: a donated state is consumed
-    xs: dict  # layer count -> the scan's inputs
+    xs: dict  # layer count L -> the scan's inputs
     donate: bool = True
 
 
@@ -171,10 +168,9 @@ def time_scans(programs: dict[str, ScanProgram], threads: int, clock: Clock, whe
     """Each program lowered and compiled for every L, ``threads`` at a time (XLA compiles without the GIL;
     compiling dominates the permute suite), then timed one by one. Returns name -> its row's fields."""
     def compile_program(program):
-        start = time.perf_counter()
         spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), program.make_state())
         jitted = jax.jit(program.fn, donate_argnums=(0,) if program.donate else ())
-        return {layers: jitted.lower(spec, xs).compile() for layers, xs in program.xs.items()}, time.perf_counter() - start
+        return {layers: jitted.lower(spec, xs).compile() for layers, xs in program.xs.items()}
 
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
         futures = {name: pool.submit(compile_program, program) for name, program in programs.items()}
@@ -182,15 +178,15 @@ def time_scans(programs: dict[str, ScanProgram], threads: int, clock: Clock, whe
     rows = {}
     for name, program in programs.items():
         try:
-            executables, compile_s = futures[name].result()
+            executables = futures[name].result()
             measured, _ = per_layer_seconds(executables, program.make_state(), program.xs)
             rows[name] = {"us_per_layer": measured["per_layer_s"] * 1e6, "spread_us": measured["spread_s"] * 1e6,
                           "program_us": {str(k): s * 1e6 for k, s in measured["program_s"].items()},
-                          "repeats": measured["repeats"], "compile_s": round(compile_s, 3),
+                          "repeats": measured["repeats"],
                           "hlo_buffer_copies": {str(k): buffer_copies(e) for k, e in executables.items()}}
         except Exception as e:  # recorded; the other cases still run
             rows[name] = {"error": describe_error(e)}
-        clock.log(f"{where} {name}: {rows[name].get('us_per_layer', rows[name].get('error'))}")
+        clock.log(f"{where} {name}: {outcome(rows[name])}")
     return rows
 
 
@@ -263,10 +259,9 @@ def ceilings(clock: Clock, notes: list, trials: int = 3) -> tuple[float | None, 
     copy = (lambda b: (device_copy(b), (b,))) if HAS_BENCH else (lambda b: (c := device_copy(b), (c,)))  # noqa: E731
     dot = lambda a, b: (c := jnp.dot(a, b, preferred_element_type=jnp.float32).astype(ROW_DTYPE), (a, c))  # noqa: E731
     a = (jax.random.normal(jax.random.key(0), (n, n)) / n ** 0.5).astype(ROW_DTYPE)  # products stay near 1
-    rates = []
-    for what, fn, operands, work, unit in (("copy", copy, (jnp.ones((copy_bytes // 2,), ROW_DTYPE),), copy_bytes / 1e9,
-                                            f"GB/s, {COPY_KIND}"),
-                                           ("dense", dot, (a, a), 2 * n ** 3 / 1e12, f"TFLOP/s, a bf16 jnp.dot of {n}^3")):
+    buffer, rates = jnp.ones((copy_bytes // 2,), ROW_DTYPE), []
+    for what, fn, operands, work, unit in (("copy", copy, (buffer,), copy_bytes / 1e9, f"GB/s, {COPY_KIND}"),
+                                           ("dense", dot, (a, a), 2 * n ** 3 / 1e12, f"TFLOP/s, jnp.dot of {n}^3")):
         try:
             rates.append(work / min(loop_seconds(fn, operands)["s"] for _ in range(trials)))
             notes.append(f"{what} ceiling: {fmt_us(rates[-1])} {unit}")
@@ -337,12 +332,11 @@ def in_child(function: str, timeout_s: float | None, **kwargs):
 
 def run_torch_peer(model, layers: int, tokens, steps: int, warmup: int, timeout_s: float, decode: bool = False):
     """``torch_peer.py``'s JSON for a model, or ``{"error": ...}``; JAX is kept off the card there."""
-    args = [str(pathlib.Path(__file__).with_name("torch_peer.py")), "--experts", str(model.num_experts), "--top-k",
-            str(model.top_k), "--hidden", str(model.hidden_size), "--ffn", str(model.ffn_size), "--layers", str(layers),
-            "--steps", str(steps), "--warmup", str(warmup), *(["--decode"] if decode else []),
-            "--tokens", *map(str, tokens), "--out"]
+    spec = {"experts": model.num_experts, "top_k": model.top_k, "hidden": model.hidden_size, "ffn": model.ffn_size,
+            "layers": layers, "tokens": list(tokens), "steps": steps, "warmup": warmup, "decode": decode}
     try:
-        return run_child(args, timeout_s, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        return run_child([str(pathlib.Path(__file__).with_name("torch_peer.py")), json.dumps(spec)], timeout_s,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     except RuntimeError as e:
         return {"error": f"peer: {e}"}
 
@@ -366,16 +360,10 @@ def fmt_us(value) -> str:
     return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}" if abs(value) < 100 else f"{value:,.0f}"
 
 
-def fmt_ratio(value) -> str:
-    return MISSING if value is None else f"{value:.2f}x"
-
-
-def fmt_pct(value) -> str:
-    return MISSING if value is None else f"{value:.0f}%"
-
-
-def fmt_text(value) -> str:
-    return MISSING if value is None else str(value)
+# Cells of the tables: MISSING where there is no value.
+fmt_ratio = lambda value: MISSING if value is None else f"{value:.2f}x"  # noqa: E731
+fmt_pct = lambda value: MISSING if value is None else f"{value:.0f}%"  # noqa: E731
+fmt_text = lambda value: MISSING if value is None else str(value)  # noqa: E731
 
 
 def table(header: list[str], lines: list[list[str]]) -> str:
@@ -383,11 +371,14 @@ def table(header: list[str], lines: list[list[str]]) -> str:
     return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines])
 
 
-def cell(impl: str, field: str, fmt=fmt_us):
-    """A ``pivot`` column: ``fmt`` of ``field`` in the row of ``impl``; "error" where it failed."""
+def cell(impl: str, field: str, fmt=fmt_us, pct: str | None = None):
+    """A ``pivot`` column: ``fmt`` of ``field`` in the row of ``impl`` (and its ``pct`` field as a
+    percentage); "error" where it failed."""
     def value(by: dict) -> str:
         row = by.get(impl)
-        return MISSING if row is None else "error" if "error" in row else fmt(row.get(field))
+        if row is None or "error" in row:
+            return MISSING if row is None else "error"
+        return fmt(row.get(field)) + (f" ({fmt_pct(row.get(pct))})" if pct else "")
     return value
 
 
@@ -412,8 +403,8 @@ def pivot(rows: list[dict], keys: tuple[str, ...], columns, name: str = "impl") 
 def document(title: str, record: dict, body: str) -> str:
     """A suite's markdown: what ran where and how, ``body`` (its tables), the notes and the errors."""
     env = record["meta"]
-    errors = [f"- {' '.join(str(r[k]) for k in ('model', 'T', 'impl', 'case', 'variant', 'scan', 'capacity') if k in r)}"
-              f": {r['error']}" for r in record["rows"] if "error" in r]
+    keys = ("model", "T", "impl", "case", "variant", "scan", "capacity")
+    errors = [f"- {' '.join(str(r[k]) for k in keys if k in r)}: {r['error']}" for r in record["rows"] if "error" in r]
     return "\n".join([
         f"# {title}", "",
         f"- device: **{env['device_kind']}** ({env['platform']}), jax {env['jax']}, jaxlib {env['jaxlib']}, "

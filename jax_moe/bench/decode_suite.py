@@ -46,7 +46,8 @@ METHOD = common.STEP_METHOD
 
 def variant_plans(variants: dict, config, tokens: int, params, **options) -> dict:
     """Each variant's ``LayerPlan``, those equal to the first's (the same program) left out."""
-    plans = {name: jax_moe.plan_layer(config, tokens, params, **switches, **options) for name, switches in variants.items()}
+    plans = {name: jax_moe.plan_layer(config, tokens, params, **switches, **options)
+             for name, switches in variants.items()}
     shipped = next(iter(plans.values()))
     return {name: plan for name, plan in plans.items() if plan != shipped or plan is shipped}
 
@@ -54,16 +55,13 @@ def variant_plans(variants: dict, config, tokens: int, params, **options) -> dic
 def layer_bytes(params: dict, active_experts: float) -> float:
     """Bytes a layer must read: the experts owning rows (with their scales), the shared expert, the router."""
     per_expert = sum(leaf[0, 0].nbytes for name, leaf in params.items() if name in EXPERT_LEAVES)
-    return active_experts * per_expert + sum(leaf[0].nbytes for name, leaf in params.items() if name not in EXPERT_LEAVES)
+    small = sum(leaf[0].nbytes for name, leaf in params.items() if name not in EXPERT_LEAVES)
+    return active_experts * per_expert + small
 
 
 def layer_flops(model: ModelShape, tokens: int) -> float:
     routed = 2 * tokens * model.top_k * model.hidden_size * 3 * model.ffn_size
     return routed + 2 * tokens * model.hidden_size * (3 * (model.shared_ffn or 0) + model.num_experts)
-
-
-def stack_layers(model: ModelShape, limit_bytes: float | None) -> int:
-    return model.layers_that_fit(model.stack_layers, limit_bytes)
 
 
 def _time_variants(variants, params, inputs, layers, bases, dense_tflops, copy_gbs, clock) -> list[dict]:
@@ -75,30 +73,30 @@ def _time_variants(variants, params, inputs, layers, bases, dense_tflops, copy_g
             row = {**base, "impl": name, "plan": str(plan), "tile": plan.tile}
             try:
                 state = (jnp.zeros_like(x), jax_moe.init_scratch(config))
-                step = jax.jit(lambda state, p, x, plan=plan: jax_moe.moe_stack(p, x, state[1], plan=plan), donate_argnums=0)
+                step = jax.jit(lambda state, p, x, plan=plan: jax_moe.moe_stack(p, x, state[1], plan=plan),
+                               donate_argnums=0)
                 row.update(common.time_step(step.lower(state, params, x).compile(), state, params, x, layers=layers))
                 row["pct_roofline"] = row.get("roofline_us") and 100 * row["roofline_us"] / row["us_per_layer"]
             except Exception as e:  # recorded; the other variants still run
                 row["error"] = common.describe_error(e)
             rows.append(row)
         clock.log(f"decode {base['model']} T={tokens}: " + ", ".join(
-            f"{r['impl']} {r.get('us_per_layer', r.get('error'))}" for r in rows if r["T"] == tokens))
+            f"{r['impl']} {common.outcome(r)}" for r in rows if r["T"] == tokens))
     return rows
 
 
 def measure_model(model: ModelShape | str, token_counts, copy_gbs=None, dense_tflops=None, peer: list | None = None,
-                  scratch_tokens: int | None = None, layers: int | None = None) -> list[dict]:
-    """Every variant's rows and the peer's (its rows, with T). scratch_tokens: each step's scratch holds
-    max(T, scratch_tokens) tokens, as a server's prefill scratch; layers: L (None: what fits the card)."""
+                  layers: int | None = None) -> list[dict]:
+    """Every variant's rows and the peer's (its rows, with T); layers: L (None: what fits the card)."""
     model, clock = MODEL_SHAPES[model] if isinstance(model, str) else model, common.Clock()
-    layers, key = layers or stack_layers(model, common.card_bytes()), jax.random.key(0)
+    layers, key = layers or model.layers_that_fit(common.card_bytes()), jax.random.key(0)
     stack_args = (key, model.config(max(token_counts)), layers, model.ffn_size)
     params = common.init_stack_params(*stack_args, **model.param_options())
-    inputs = {tokens: (model.config(max(tokens, scratch_tokens or 0)),
+    inputs = {tokens: (model.config(tokens),
                        jax.random.normal(jax.random.fold_in(key, tokens), (tokens, model.hidden_size), ROW_DTYPE))
               for tokens in token_counts}
     count = jax.jit(lambda p, x, s: jax_moe.moe_stack(p, x, s, with_aux=True)[2]["expert_counts"])  # [L, E]
-    bases = {tokens: {"model": model.name, "label": model.label, "T": tokens, "scratch_tokens": config.max_tokens,
+    bases = {tokens: {"model": model.name, "label": model.label, "T": tokens,
                       "layers": layers, "flops_per_layer": layer_flops(model, tokens), "active_experts": float(
                           (np.asarray(count(params, x, jax_moe.init_scratch(config))) > 0).sum(-1).mean())}
              for tokens, (config, x) in inputs.items()}
@@ -115,13 +113,13 @@ def measure_model(model: ModelShape | str, token_counts, copy_gbs=None, dense_tf
 
 
 def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1, *, on_rows=None, time_limit_s=None,
-        with_peer: bool = True, isolate: bool | None = None, scratch_tokens: int | None = None):
+        with_peer: bool = True, isolate: bool | None = None):
     """isolate: each model in a process of its own (``common.in_child``); by default for several models on a
     GPU when this process does not preallocate the card (as the CLI sets it)."""
     if isolate is None:
         isolate = (len(models) > 1 and jax.default_backend() == "gpu"
                    and os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() == "false")
-    layers, notes = stack_counts(models, stack_layers, common.card_bytes())  # one L for jax_moe and the peer
+    layers, notes = stack_counts(models, common.card_bytes())
     peers = {}
     for model in models if with_peer else ():  # first, before JAX holds any of the card
         result = common.run_torch_peer(model, layers[model.name], token_counts, PEER_STEPS, PEER_WARMUP,
@@ -129,14 +127,12 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1,
         peers[model.name] = result.get("results") or [{"T": t, **result} for t in token_counts]
         clock.log(f"decode peer {model.name}: {peers[model.name]}")
     copy_gbs, dense_tflops = common.ceilings(clock, notes)
-    if scratch_tokens:
-        notes.append(f"scratch sized for max(T, {scratch_tokens}) tokens (a server's prefill scratch), not T")
     rows = []
     for model in models:
         if clock.out_of_time(time_limit_s, notes, f"decode {model.name}"):
             break
         options = dict(token_counts=list(token_counts), copy_gbs=copy_gbs, dense_tflops=dense_tflops,
-                       peer=peers.get(model.name), scratch_tokens=scratch_tokens, layers=layers[model.name])
+                       peer=peers.get(model.name), layers=layers[model.name])
         if isolate and MODEL_SHAPES.get(model.name) == model:
             remaining = None if time_limit_s is None else max(60.0, time_limit_s - clock.elapsed())
             measure = functools.partial(common.in_child, f"{__name__}:measure_model", remaining, model=model.name,
@@ -148,19 +144,12 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1,
 
 
 def table(rows: list[dict]) -> str:
-    def cell(impl):
-        def value(by):
-            row = by.get(impl)
-            if row is None or "error" in row:
-                return common.MISSING if row is None else "error"
-            return f"{common.fmt_us(row.get('us_per_layer'))} ({common.fmt_pct(row.get('pct_roofline'))})"
-        return value
-
     columns = [("experts read", lambda by: f"{next(iter(by.values()))['active_experts']:.1f}"),
                ("roofline µs", common.cell("jax_moe", "roofline_us")),
                ("bound", common.cell("jax_moe", "bound", common.fmt_text)),
                ("kernel", common.cell("jax_moe", "tile", common.fmt_text))]
-    columns += [(f"{impl} µs (% roofline)", cell(impl)) for impl in dict.fromkeys(r["impl"] for r in rows)]
+    columns += [(f"{impl} µs (% roofline)", common.cell(impl, "us_per_layer", pct="pct_roofline"))
+                for impl in dict.fromkeys(r["impl"] for r in rows)]
     columns += [("peer / jax_moe", common.speedup(PEER, "jax_moe", "us_per_layer")),
                 ("FP8 vs bf16", common.speedup("jax_moe", "jax_moe/fp8", "us_per_layer"))]
     return common.pivot(rows, ("label", "T"), columns)

@@ -3,12 +3,11 @@
 Per model and T: the fused gate/up projection of one layer, [T*k, H] x [El, H, 2F] (bf16 in and out,
 float32 accumulation), on T*k rows routed uniformly at random and grouped by permute, by each of
 ``impls``: ``jax_moe.grouped_matmul`` (the tile ``jax_moe.plan.pick_tile`` picks), ``lax.ragged_dot``,
-Pallas Mosaic-GPU ``ragged_dot_mgpu`` (the best of MGPU_CONFIGS), a dense ``jnp.dot`` of the same FLOPs
-(the compute ceiling) and, from FP8_MIN_TOKENS, jax_moe's FP8 GEMM on e4m3 experts with 128 x 128 block
-scales, its rows quantised per 1 x 128 group inside the call (its ceiling: twice the dense rate).
-TFLOP/s = 2*T*k*H*2F / time; weight GB/s = bytes of the experts owning rows / time, against the copy
-ceiling (few rows an expert are bound by the weights' reads). A peer is one more entry of ``impls``; one
-that fails is an error row. The whole layer against its peers: the stack, decode and train suites.
+Pallas Mosaic-GPU ``ragged_dot_mgpu`` (the best of MGPU_CONFIGS) and a dense ``jnp.dot`` of the same FLOPs
+(the compute ceiling). TFLOP/s = 2*T*k*H*2F / time; weight GB/s = bytes of the experts owning rows / time,
+against the copy ceiling (few rows an expert are bound by the weights' reads). A peer is one more entry
+of ``impls``; one that fails is an error row. The whole layer against its peers, and FP8 experts: the
+stack, decode and train suites.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jax_moe
-from jax_moe import fp8, gemm, plan
+from jax_moe import plan
 from jax_moe.bench import common
 from jax_moe.bench.models import ROW_DTYPE, ModelShape
 
@@ -27,7 +26,6 @@ TOKENS = (1, 16, 128, 1024, 4096, 16384)
 QUICK_MODELS = ("qwen3_30b",)
 QUICK_TOKENS = (16, 4096)
 RAGGED_DOT_MAX_ROWS_X_EXPERTS = 16384 * 256  # past it ragged_dot takes seconds a call (157 ms: DeepSeek-V3, 8192 rows)
-FP8_MIN_TOKENS = 1024
 MGPU_MAX_EXPERTS = 128  # its grid has a step per group and row block: compile time grows with E
 MGPU_CONFIGS = ({"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
                 {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 2})
@@ -42,12 +40,13 @@ def _mgpu(config):
     return fn
 
 
-def impls(tokens: int, config, scratch, weights, key) -> dict:
+def impls(tokens: int, config, scratch, weights) -> dict:
     """name -> (``fn(*operands) -> (out, operands)``, operands), or why it does not run here."""
-    live, (hidden, n) = config.live_row_bound(tokens), weights.shape[1:]
+    live = config.live_row_bound(tokens)
     rows, sizes = scratch.permuted[:live], scratch.group_sizes
     out = {
-        "jax_moe": (lambda w, s: (jax_moe.grouped_matmul(s.permuted, w, s, num_rows=live)[0], (w, s)), (weights, scratch)),
+        "jax_moe": (lambda w, s: (jax_moe.grouped_matmul(s.permuted, w, s, num_rows=live)[0], (w, s)),
+                    (weights, scratch)),
         "ragged_dot": ((lambda r, w, g: (lax.ragged_dot(r, w, g, preferred_element_type=jnp.float32).astype(r.dtype),
                                          (r, w, g)), (rows, weights, sizes))
                        if tokens * config.top_k * config.num_experts <= RAGGED_DOT_MAX_ROWS_X_EXPERTS
@@ -57,15 +56,6 @@ def impls(tokens: int, config, scratch, weights, key) -> dict:
     }
     for i, mgpu_config in enumerate(MGPU_CONFIGS if config.num_experts <= MGPU_MAX_EXPERTS else ()):
         out[f"ragged_dot_mgpu/{i}"] = (_mgpu(mgpu_config), (rows, weights, sizes))
-    if tokens >= FP8_MIN_TOKENS and hidden % fp8.BLOCK == 0 and n % fp8.BLOCK == 0:
-        # Experts in the checkpoint's [El, N, K] layout; any finite e4m3 values time alike.
-        q = (jax.random.normal(key, (config.num_local_experts, n, hidden), ROW_DTYPE) * 64).astype(fp8.FP8)
-        scale = jnp.full((config.num_local_experts, n // fp8.BLOCK, hidden // fp8.BLOCK), 1 / (64 * hidden ** 0.5))
-
-        def ours_fp8(q, scale, s, workspace):
-            result, workspace = gemm.fp8_forward(s.permuted, q, scale, s.expert_offsets, workspace, live)
-            return result, (q, scale, s, workspace)
-        out["jax_moe/fp8"] = (ours_fp8, (q, scale, scratch, gemm.fp8_workspace(config.num_local_experts)))
     return out
 
 
@@ -78,10 +68,11 @@ def measure(model: ModelShape, tokens: int, clock, notes, copy_gbs: float | None
     weights = (jax.random.normal(key, (config.num_local_experts, hidden, n)) / hidden ** 0.5).astype(ROW_DTYPE)
     active = int((scratch.group_sizes > 0).sum())
     base = {"model": model.name, "T": tokens, "rows": tokens * config.top_k, "K": hidden, "N": n, "copy_gbs": copy_gbs,
-            "active_experts": active, "weight_bytes": active * hidden * n * 2, "flops": 2 * tokens * config.top_k * hidden * n,
+            "active_experts": active, "weight_bytes": active * hidden * n * 2,
+            "flops": 2 * tokens * config.top_k * hidden * n,
             "tile": plan.pick_tile(config.live_row_bound(tokens), config.num_local_experts)}
     rows = []
-    for name, impl in impls(tokens, config, scratch, weights, key).items():
+    for name, impl in impls(tokens, config, scratch, weights).items():
         if isinstance(impl, str):
             notes.append(f"{model.name} T={tokens}: {name} {impl}")
             continue
@@ -92,7 +83,7 @@ def measure(model: ModelShape, tokens: int, clock, notes, copy_gbs: float | None
             row.update(tflops=row["flops"] / row["us"] / 1e6, weight_gbs=row["weight_bytes"] / row["us"] / 1e3)
         except Exception as e:  # recorded; the other implementations still run
             row["error"] = common.describe_error(e)
-        clock.log(f"gemm {model.name} T={tokens} {name}: {row.get('us', row.get('error'))}")
+        clock.log(f"gemm {model.name} T={tokens} {name}: {common.outcome(row, 'us')}")
         rows.append(row)
     mgpu = [r for r in rows if r["impl"].startswith("ragged_dot_mgpu/")]
     if mgpu:  # one row: the best config, or the first failure
@@ -100,8 +91,8 @@ def measure(model: ModelShape, tokens: int, clock, notes, copy_gbs: float | None
         rows.append({**best, "impl": "ragged_dot_mgpu", "config": MGPU_CONFIGS[int(best["impl"].split("/")[1])]})
     rows = [r for r in rows if not r["impl"].startswith("ragged_dot_mgpu/")]
     dense = next((r["tflops"] for r in rows if r["impl"] == "dense" and "tflops" in r), None)
-    for row in (r for r in rows if "tflops" in r):  # FP8 tensor cores run at twice the bf16 rate
-        row["pct_of_dense"] = dense and 100 * row["tflops"] / (dense * (2 if row["impl"].endswith("fp8") else 1))
+    for row in (r for r in rows if "tflops" in r):
+        row["pct_of_dense"] = dense and 100 * row["tflops"] / dense
         row["pct_of_copy"] = copy_gbs and 100 * row["weight_gbs"] / copy_gbs
     return rows
 
@@ -123,7 +114,5 @@ def table(rows: list[dict]) -> str:
     columns = [(f"{impl} µs", common.cell(impl, "us")) for impl in dict.fromkeys(r["impl"] for r in rows)]
     columns += [("jax_moe TFLOP/s", common.cell("jax_moe", "tflops")),
                 ("jax_moe % of dense", common.cell("jax_moe", "pct_of_dense", common.fmt_pct)),
-                ("jax_moe weight read % of copy", common.cell("jax_moe", "pct_of_copy", common.fmt_pct)),
-                ("FP8 % of 2x dense", common.cell("jax_moe/fp8", "pct_of_dense", common.fmt_pct)),
-                ("FP8 vs bf16", common.speedup("jax_moe", "jax_moe/fp8", "us"))]
+                ("jax_moe weight read % of copy", common.cell("jax_moe", "pct_of_copy", common.fmt_pct))]
     return "Gate/up GEMM:\n\n" + common.pivot(rows, ("model", "T"), columns)

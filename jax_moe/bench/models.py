@@ -45,24 +45,25 @@ class ModelShape:
 
     def layer_param_bytes(self) -> int:
         """Bytes of one layer of the bf16 stack: the experts, the shared expert and the router."""
-        weights = self.num_experts * 3 * self.hidden_size * self.ffn_size + 3 * self.hidden_size * (self.shared_ffn or 0)
-        return 2 * (weights + self.hidden_size * self.num_experts)
+        experts = (self.num_experts * self.ffn_size + (self.shared_ffn or 0)) * 3 * self.hidden_size
+        return 2 * (experts + self.hidden_size * self.num_experts)
 
-    def layers_that_fit(self, wanted: int, limit_bytes: float | None, copies: int = 1, least: int = MIN_LAYERS) -> int:
-        """``wanted`` layers, or fewer where ``copies`` of their params (2 for training: weights and
-        gradients) would pass PARAMS_SHARE of ``limit_bytes`` (None: no limit); never below ``least``."""
+    def layers_that_fit(self, limit_bytes: float | None, training: bool = False) -> int:
+        """The stack's depth, or fewer where its params (training: and their gradients) would take more than
+        PARAMS_SHARE of ``limit_bytes`` (None: no limit); never below MIN_LAYERS (training: one)."""
+        wanted, copies, least = (self.train_layers, 2, 1) if training else (self.stack_layers, 1, MIN_LAYERS)
         if limit_bytes is None:
             return wanted
         return max(least, min(wanted, int(PARAMS_SHARE * limit_bytes // (copies * self.layer_param_bytes()))))
 
 
-def stack_counts(models, count, limit_bytes: float | None, held: str = "") -> tuple[dict[str, int], list[str]]:
-    """Each model's L, ``count(model, limit_bytes)`` (one L for jax_moe and its peers), and a note for
-    each model capped below ``count(model, None)``; ``held`` names what else a layer brings."""
-    layers = {model.name: count(model, limit_bytes) for model in models}
-    notes = [f"{model.name}: {layers[model.name]} layers, not {count(model, None)}: "
-             f"{model.layer_param_bytes() / 1e9:.1f} GB a layer{held}, {limit_bytes / 1e9:.0f} GB allocator limit"
-             for model in models if layers[model.name] != count(model, None)]
+def stack_counts(models, limit_bytes: float | None, training: bool = False) -> tuple[dict[str, int], list[str]]:
+    """Each model's depth (one for jax_moe and its peers) and a note for each one capped by the card."""
+    layers = {model.name: model.layers_that_fit(limit_bytes, training) for model in models}
+    notes = [f"{model.name}: {layers[model.name]} layers, not {model.layers_that_fit(None, training)}: "
+             f"{model.layer_param_bytes() / 1e9:.1f} GB a layer{' and as much of gradients' if training else ''}, "
+             f"{limit_bytes / 1e9:.0f} GB allocator limit"
+             for model in models if layers[model.name] != model.layers_that_fit(None, training)]
     return layers, notes
 
 

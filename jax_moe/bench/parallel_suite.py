@@ -1,16 +1,15 @@
 """Suite parallel: the expert-parallel stack (``jax_moe.moe_stack_ep``) per layer, on every device JAX sees.
 
-One mesh axis ``expert`` carries both the experts (E / n a device) and the tokens (n * T, T the
-table's tokens per device). Per model, T and capacity rule, timed per layer (``common.time_scans``):
-- ``ep``: the sharded stack as users run it (route, dispatch, all_to_all, permute, experts, unpermute,
-  all_to_all back, combine), its (x, scratch) state donated and threaded;
-- ``ep/no-collective``: the same program with each all_to_all an identity of the same shapes: all of
-  the compute, none of the communication (its result is meaningless);
-- ``all_to_all``: the layer's three exchanges alone, on buffers of the same shapes;
-- ``single-device``: ``moe_stack`` of the same global problem on device 0.
-Capacity rules: ``no-drop`` (C = T * min(k, El): nothing overflows) and ``cf=2`` (C = ceil(2*T*k/n),
-the overflow dropped and counted); where ``lax.ragged_all_to_all`` runs (GPUs), ``dropless``: no-drop's
-buffers, the live rows alone sent by the ragged exchange (only its ep program).
+One mesh axis carries the experts (E / n a device) and the tokens (n * T; T, the table's, is a device's).
+Per model, T and capacity rule: ``ep``, the sharded stack as users run it, its state donated and threaded;
+``ep/no-collective``, the same program with each all_to_all an identity of the same shapes (all of the
+compute, none of the communication); ``single-device``, ``moe_stack`` of the same global problem on
+device 0. collectives = ep - ep/no-collective, share = collectives / ep (one device: the exchange has one
+participant, so the table shows the sharding's overhead). Capacity rules: ``no-drop`` (C = T * min(k, El):
+nothing overflows), ``cf=2`` (C = ceil(2*T*k/n), the overflow dropped and counted; not run where its C is
+no-drop's) and, where ``lax.ragged_all_to_all`` runs (GPUs), ``dropless``: no-drop's buffers, the live rows
+alone sent by the ragged exchange. rows sent = a device's per layer and direction (the fixed layout's n*C
+slots, empty ones included; dropless: the live rows); live rows = the routes kept; bytes = rows x H x 2.
 """
 
 from __future__ import annotations
@@ -37,30 +36,21 @@ TOKENS = (1024, 8192)
 LAYER_COUNTS = (1, 2)
 QUICK_MODELS = ("qwen3_30b",)
 QUICK_TOKENS = (16,)
-CAPACITY_FACTORS = {"no-drop": None, "cf=2": 2.0}
+CAPACITY_FACTORS = {"no-drop": None, "cf=2": 2.0}  # .get(DROPLESS) is no-drop's
 DROPLESS = "dropless"  # no-drop's capacity, the rows sent by ragged_all_to_all
 TITLE = "jax_moe expert-parallel stack per layer"
-METHOD = common.PER_LAYER_METHOD + (
-    " T is tokens per device. collectives = ep - ep/no-collective, share = collectives / ep (with one device "
-    "the exchange has one participant: the table then shows the sharded program's overhead). rows sent = "
-    "rows a device sends per layer and direction (the fixed layout's n*C slots, empty ones included; "
-    "dropless: the live rows); live rows = the routes kept; bytes = rows x H x 2. A capacity rule whose C is "
-    "no-drop's is the same program and is not run again.")
+METHOD = common.PER_LAYER_METHOD
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    name: str  # ep, ep/no-collective, all_to_all, single-device
+    name: str  # ep, ep/no-collective, single-device
     capacity: str | None  # a CAPACITY_FACTORS key or DROPLESS; None for single-device
 
 
 def cases(capacities=tuple(CAPACITY_FACTORS), dropless: bool = False) -> tuple[Case, ...]:
-    out = [Case(name, rule) for rule in capacities for name in ("ep", "ep/no-collective", "all_to_all")]
+    out = [Case(name, rule) for rule in capacities for name in ("ep", "ep/no-collective")]
     return (*out, *([Case("ep", DROPLESS)] if dropless else []), Case("single-device", None))
-
-
-def capacity_factor(rule: str):
-    return None if rule == DROPLESS else CAPACITY_FACTORS[rule]
 
 
 def distinct_capacities(config, num_devices: int, tokens: int) -> tuple[str, ...]:
@@ -96,27 +86,12 @@ def _fresh(x: jax.Array, where) -> jax.Array:
 def build_program(case: Case, model: ModelShape, tokens: int, mesh: Mesh, params: dict, local_params: dict,
                   x: jax.Array) -> common.ScanProgram:
     """The case's program; ``params`` and ``local_params`` map L to the sharded and whole L-layer stacks."""
-    n, config = mesh.shape[AXIS], model.config(mesh.shape[AXIS] * tokens)
+    config = model.config(mesh.shape[AXIS] * tokens)
     if case.name == "single-device":
         device = jax.devices()[0]
         return common.ScanProgram(lambda state, p: jax_moe.moe_stack(p, *state),
                                   lambda: (_fresh(x, device), jax_moe.init_scratch(config, device)), local_params)
-    factor, sharding = capacity_factor(case.capacity), NamedSharding(mesh, P(AXIS))
-    if case.name == "all_to_all":
-        capacity = parallel.peer_capacity(config, n, tokens, factor)
-
-        def exchanges(rows, ids, router):
-            def body(carry, _):
-                rows, ids = carry
-                rows, ids = parallel.all_to_all(rows, AXIS), parallel.all_to_all(ids, AXIS)
-                return (parallel.all_to_all(rows, AXIS), ids), None
-            return lax.scan(body, (rows, ids), router)[0]
-
-        return common.ScanProgram(
-            lambda state, p: jax.shard_map(exchanges, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P()),
-                                           out_specs=(P(AXIS), P(AXIS)))(*state, p["router"]),
-            lambda: (jax.device_put(jnp.ones((n * n, capacity, model.hidden_size), ROW_DTYPE), sharding),
-                     jax.device_put(jnp.zeros((n * n, capacity), jnp.int32), sharding)), params)
+    factor, sharding = CAPACITY_FACTORS.get(case.capacity), NamedSharding(mesh, P(AXIS))
     exchange = parallel.all_to_all if case.name == "ep" else (lambda blocks, axis_name: blocks)
     return common.ScanProgram(
         lambda state, p: parallel.moe_stack_ep(p, *state, mesh=mesh, axis_name=AXIS, _exchange=exchange)[:2],
@@ -133,7 +108,8 @@ def dropped_routes(model: ModelShape, tokens: int, mesh: Mesh, params: dict, x: 
 
 def exchange_volume(model: ModelShape, tokens: int, num_devices: int, rule: str) -> dict:
     """What one device sends per layer and direction under a capacity rule (before drops are counted)."""
-    capacity = parallel.peer_capacity(model.config(num_devices * tokens), num_devices, tokens, capacity_factor(rule))
+    config = model.config(num_devices * tokens)
+    capacity = parallel.peer_capacity(config, num_devices, tokens, CAPACITY_FACTORS.get(rule))
     rows_sent = tokens * model.top_k if rule == DROPLESS else num_devices * capacity
     return {"C": capacity, "rows_sent": rows_sent, "live_rows": tokens * model.top_k,
             "bytes_sent": rows_sent * model.hidden_size * jnp.dtype(ROW_DTYPE).itemsize}
@@ -158,16 +134,17 @@ def measure_model(model: ModelShape, token_counts, layer_counts, mesh: Mesh, clo
         for case in cases(distinct_capacities(model.config(n * tokens), n, tokens), ragged_supported):
             name = f"{case.name} {case.capacity or '-'}"
             found[name] = {"model": model.name, "label": model.label, "E": model.num_experts, "k": model.top_k,
-                           "H": model.hidden_size, "F": model.ffn_size, "devices": n, "T": tokens, "T_global": n * tokens,
-                           "case": case.name, "capacity": case.capacity or "-",
+                           "H": model.hidden_size, "F": model.ffn_size, "devices": n, "T": tokens,
+                           "T_global": n * tokens, "case": case.name, "capacity": case.capacity or "-",
                            **(exchange_volume(model, tokens, n, case.capacity) if case.capacity else {})}
             programs[name] = build_program(case, model, tokens, mesh, params, local_params, x)
-        for name, fields in common.time_scans(programs, compile_threads, clock, f"parallel {model.name} T={tokens}").items():
+        timed = common.time_scans(programs, compile_threads, clock, f"parallel {model.name} T={tokens}")
+        for name, fields in timed.items():
             row = {**found[name], **fields}
             if row["case"] == "ep" and row["capacity"] != DROPLESS and "error" not in row:
                 layers = max(layer_counts)
                 row["dropped_routes"] = dropped_routes(model, tokens, mesh, params[layers], x,
-                                                       capacity_factor(row["capacity"]))
+                                                       CAPACITY_FACTORS.get(row["capacity"]))
                 row["dropped_pct"] = 100 * row["dropped_routes"] / (layers * n * tokens * model.top_k)
                 row["live_rows"] -= row["dropped_routes"] / (layers * n)  # a device's, a layer's
             rows.append(row)
@@ -175,8 +152,8 @@ def measure_model(model: ModelShape, token_counts, layer_counts, mesh: Mesh, clo
 
 
 def derive(rows: list[dict]) -> list[dict]:
-    """On each ep row: its program without collectives (dropless: no-drop's), the exchanges alone and
-    the single-device stack, µs; collectives = ep - no-collective, their share, ep / single device."""
+    """On each ep row: its program without collectives (dropless: no-drop's) and the single-device stack,
+    µs; collectives = ep - no-collective, their share, ep / single device."""
     def us(row, case, capacity):
         return next((r.get("us_per_layer") for r in rows if (r["model"], r["T"], r["case"], r["capacity"]) ==
                      (row["model"], row["T"], case, capacity)), None)
@@ -184,7 +161,7 @@ def derive(rows: list[dict]) -> list[dict]:
     for row in (r for r in rows if r["case"] == "ep" and r.get("us_per_layer") is not None):
         rule = "no-drop" if row["capacity"] == DROPLESS else row["capacity"]
         local, single = us(row, "ep/no-collective", rule), us(row, "single-device", "-")
-        row.update(no_collective_us=local, all_to_all_us=us(row, "all_to_all", rule), single_device_us=single)
+        row.update(no_collective_us=local, single_device_us=single)
         if local is not None:
             row["collectives_us"] = row["us_per_layer"] - local
             if row["us_per_layer"] > 0:
@@ -194,19 +171,15 @@ def derive(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def make_mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()), (AXIS,))
-
-
 def facts() -> dict:
     """The mesh's size and whether ``lax.ragged_all_to_all`` compiles and runs on this backend."""
-    mesh = make_mesh()
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
     return {"devices": mesh.size, "ragged_all_to_all": ragged_all_to_all_support(mesh)}
 
 
 def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1, *, layer_counts=LAYER_COUNTS,
         on_rows=None, time_limit_s=None):
-    mesh = make_mesh()
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
     support = ragged_all_to_all_support(mesh)
     notes = [f"mesh: {mesh.size} device(s); lax.ragged_all_to_all: {support}"]
     clock.log(notes[-1])
@@ -225,9 +198,10 @@ def table(rows: list[dict]) -> str:
     ep = lambda field, fmt=common.fmt_us: common.cell("ep", field, fmt)  # noqa: E731  (derive put all on the ep row)
     columns = [("ep µs", ep("us_per_layer")), ("ep/no-collective", ep("no_collective_us")),
                ("collectives µs", ep("collectives_us")), ("share", ep("collective_share_pct", common.fmt_pct)),
-               ("all_to_all alone", ep("all_to_all_us")), ("single device", ep("single_device_us")),
+               ("single device", ep("single_device_us")),
                ("ep / single", ep("ratio_to_single_device", common.fmt_ratio)),
                ("dropped", ep("dropped_pct", common.fmt_pct)), ("rows sent", ep("rows_sent", "{:,}".format)),
-               ("live rows", ep("live_rows", "{:,.0f}".format)), ("MiB sent", ep("bytes_sent", lambda v: f"{v / 2**20:,.1f}"))]
-    return "µs per layer:\n\n" + common.pivot([r for r in rows if r["case"] == "ep"], ("label", "devices", "T", "capacity", "C"),
-                                               columns, name="case")
+               ("live rows", ep("live_rows", "{:,.0f}".format)),
+               ("MiB sent", ep("bytes_sent", lambda v: f"{v / 2**20:,.1f}"))]
+    keys = ("label", "devices", "T", "capacity", "C")
+    return "µs per layer:\n\n" + common.pivot([r for r in rows if r["case"] == "ep"], keys, columns, name="case")

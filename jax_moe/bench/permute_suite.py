@@ -5,12 +5,11 @@ expert ids per token, softmax weights: constants would be folded); each layer's 
 one's x. A barrier after each measured op keeps XLA from fusing it into its consumer, and a scalar read
 from every output (``common.runtime_zero``) feeds the next layer's routing, so no layer's work is
 dead. Cases: jax_moe, ``argsort`` (pure JAX) and ``repeat`` (MaxText's ``jnp.repeat``), the pair and
-each op alone; the jax_moe pair not donated; the floor (a body that only reads its routing); the copy.
+each op alone; the jax_moe pair not donated; the copy.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable, NamedTuple
 
@@ -42,21 +41,9 @@ METHOD = common.PER_LAYER_METHOD + (
     "drops optimisation barriers before fusing: CPU runs check the harness, not the ops.")
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    impl: str  # jax_moe, argsort, repeat; floor; copy
-    op: str  # pair, permute, unpermute; loop (the floor); copy
-    donated: bool = True  # the state (x, scratch, buffers) is donated to the program
-
-    @property
-    def name(self) -> str:
-        return f"{self.impl}/{self.op}" + ("" if self.donated else "/not-donated")
-
-
-CASES = (Case("jax_moe", "pair"), Case("jax_moe", "pair", donated=False), Case("jax_moe", "permute"),
-         Case("jax_moe", "unpermute"), Case("argsort", "pair"), Case("argsort", "permute"),
-         Case("argsort", "unpermute"), Case("repeat", "pair"), Case("copy", "copy"))
-FLOOR = Case("floor", "loop")
+# implementation/op[/not-donated: the state (x, scratch) not donated to the program]
+CASES = ("jax_moe/pair", "jax_moe/pair/not-donated", "jax_moe/permute", "jax_moe/unpermute", "argsort/pair",
+         "argsort/permute", "argsort/unpermute", "repeat/pair", "copy/copy")
 
 
 def traffic_bytes(op: str, model: ModelShape, tokens: int) -> int:
@@ -97,18 +84,11 @@ def _after(probe, routing):
     return ids + probe, weights + probe.astype(weights.dtype)
 
 
-def build_program(case: Case, model: ModelShape, tokens: int, scan: str, routing: dict) -> common.ScanProgram:
+def build_program(case: str, model: ModelShape, tokens: int, scan: str, routing: dict) -> common.ScanProgram:
     """The case's scan over the layers of ``routing`` (L -> (ids, weights)) and its fresh state."""
-    key = jax.random.key(1)
-    rows = lambda: jax.random.normal(key, (tokens, model.hidden_size), ROW_DTYPE)  # noqa: E731
-    zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
+    impl_name, op, *not_donated = case.split("/")
     before_loop, after_loop = (lambda state, _: state), (lambda carry: carry)  # noqa: E731
-    if case.op == "loop":
-        def body(carry, layer):
-            x, probe = carry
-            return (x, common.runtime_zero(_after(probe, layer))), None
-        make_state = lambda: (rows(), zero())  # noqa: E731
-    elif case.op == "copy":
+    if op == "copy":
         size = traffic_bytes("copy", model, tokens) // (2 * jnp.dtype(ROW_DTYPE).itemsize)  # read + write
 
         def body(buffers, layer):  # a fixed source into the carried destination (carrying the copy's own
@@ -116,14 +96,15 @@ def build_program(case: Case, model: ModelShape, tokens: int, scan: str, routing
             return (source, common.device_copy(source, common.runtime_zero(layer))), None
         make_state = lambda: (jnp.ones((size,), ROW_DTYPE), jnp.zeros((size,), ROW_DTYPE))  # noqa: E731
     else:
-        impl = make_impl(case.impl, model, tokens)
-        make_state = lambda: (rows(), impl.make_held(), zero())  # noqa: E731
-        if case.op in ("pair", "permute"):
+        impl = make_impl(impl_name, model, tokens)
+        x = jax.random.normal(jax.random.key(1), (tokens, model.hidden_size), ROW_DTYPE)
+        make_state = lambda: (jnp.copy(x), impl.make_held(), jnp.zeros((), jnp.int32))  # noqa: E731  (x, held, probe)
+        if op in ("pair", "permute"):
             def body(carry, layer):
                 x, held, probe = carry
                 ids, weights = _after(probe, layer)
                 routed = lax.optimization_barrier(impl.permute(x, ids, held))  # where the experts would run
-                y = impl.unpermute(routed, weights) if case.op == "pair" else x
+                y = impl.unpermute(routed, weights) if op == "pair" else x
                 return (y, impl.hold(routed), common.runtime_zero(impl.probed(routed))), None
         else:
             def body(carry, layer):
@@ -132,14 +113,15 @@ def build_program(case: Case, model: ModelShape, tokens: int, scan: str, routing
                 routed, out = lax.optimization_barrier((routed, impl.unpermute(routed, _after(probe, layer)[1])))
                 return (out, routed, common.runtime_zero(out)), None
             # One permute before the loop gives every layer the same rows; the carry holds them, not the scratch.
-            before_loop = lambda state, routing: (state[0], impl.permute(state[0], routing[0][0], state[1]), state[2])  # noqa: E731
+            before_loop = lambda state, routing: (  # noqa: E731
+                state[0], impl.permute(state[0], routing[0][0], state[1]), state[2])
             after_loop = lambda carry: (carry[0], impl.hold(carry[1]), carry[2])  # noqa: E731
 
     def fn(state, routing):
         carry, _ = lax.scan(body, before_loop(state, routing), routing, unroll=True if scan == UNROLLED else 1)
         return after_loop(carry)
 
-    return common.ScanProgram(fn, make_state, routing, donate=case.donated)
+    return common.ScanProgram(fn, make_state, routing, donate=not not_donated)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
@@ -156,17 +138,13 @@ def measure_shape(model: ModelShape, tokens: int, cases, layer_counts, clock, co
     routing = {layers: (ids[:layers], weights[:layers]) for layers in layer_counts}
     programs, rows = {}, {}
     for case in cases:
-        for scan in (ROLLED,) if case.impl == "copy" or tokens > UNROLLED_MAX_TOKENS else (ROLLED, UNROLLED):
-            name = f"{case.name} {scan}"
+        impl, op, *not_donated = case.split("/")
+        for scan in (ROLLED,) if impl == "copy" or tokens > UNROLLED_MAX_TOKENS else (ROLLED, UNROLLED):
+            name = f"{case} {scan}"
             rows[name] = {"model": model.name, "label": model.label, "E": model.num_experts, "k": model.top_k,
-                          "H": model.hidden_size, "T": tokens, "R": tokens * model.top_k, "case": case.name,
-                          "impl": case.impl, "op": case.op, "donated": case.donated, "scan": scan}
-            if case.op != "loop":
-                rows[name]["bytes"] = traffic_bytes(case.op, model, tokens)
-            try:
-                programs[name] = build_program(case, model, tokens, scan, routing)
-            except Exception as e:  # recorded; the other cases still run
-                rows[name]["error"] = common.describe_error(e)
+                          "H": model.hidden_size, "T": tokens, "R": tokens * model.top_k, "case": case, "impl": impl,
+                          "op": op, "donated": not not_donated, "scan": scan, "bytes": traffic_bytes(op, model, tokens)}
+            programs[name] = build_program(case, model, tokens, scan, routing)
     for name, fields in common.time_scans(programs, compile_threads, clock, f"permute {model.name} T={tokens}").items():
         rows[name].update(fields)
     return derive(list(rows.values()))
@@ -196,21 +174,15 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1,
     for model in models:
         for tokens in token_counts:
             if not clock.out_of_time(time_limit_s, notes, f"{model.name} T={tokens}"):
-                cases = CASES + ((FLOOR,) if tokens == min(token_counts) else ())
-                common.measure_isolated(rows, notes, clock, f"permute {model.name} T={tokens}: failed",
-                                        lambda: measure_shape(model, tokens, cases, layer_counts, clock, compile_threads),
+                measure = functools.partial(measure_shape, model, tokens, CASES, layer_counts, clock, compile_threads)
+                common.measure_isolated(rows, notes, clock, f"permute {model.name} T={tokens}: failed", measure,
                                         on_rows)
     return rows, notes
 
 
 def table(rows: list[dict]) -> str:
-    us, pct = lambda case: common.cell(case, "us_per_layer"), lambda case: common.cell(case, "pct_of_copy_ceiling", common.fmt_pct)
-    columns = [("pair jax_moe", us("jax_moe/pair")), ("not donated", us("jax_moe/pair/not-donated")),
-               ("pair argsort", us("argsort/pair")), ("pair repeat", us("repeat/pair")),
-               ("jax_moe / argsort", common.cell("jax_moe/pair", "ratio_to_baseline", common.fmt_ratio)),
-               ("permute jax_moe", us("jax_moe/permute")), ("permute argsort", us("argsort/permute")),
-               ("permute % copy", pct("jax_moe/permute")), ("unpermute jax_moe", us("jax_moe/unpermute")),
-               ("unpermute argsort", us("argsort/unpermute")), ("unpermute % copy", pct("jax_moe/unpermute")),
-               ("copy", us("copy/copy")), ("copy GB/s", common.cell("copy/copy", "gb_per_s")),
-               ("floor", us("floor/loop"))]
+    columns = [(case, common.cell(case, "us_per_layer")) for case in dict.fromkeys(r["case"] for r in rows)]
+    columns += [("pair jax_moe / argsort", common.cell("jax_moe/pair", "ratio_to_baseline", common.fmt_ratio)),
+                *((f"{op} jax_moe % copy", common.cell(f"jax_moe/{op}", "pct_of_copy_ceiling", common.fmt_pct))
+                  for op in ("permute", "unpermute")), ("copy GB/s", common.cell("copy/copy", "gb_per_s"))]
     return "µs per layer:\n\n" + common.pivot(rows, ("model", "scan", "T"), columns, name="case")

@@ -3,7 +3,7 @@
 A step is ``moe_stack`` (its scratch donated, or not) or ``baseline_moe_stack`` (argsort permute, experts
 on ``lax.ragged_dot``) over the model's stack depth, in a rolled and a fully unrolled ``lax.scan``, on the
 same params and routing: end to end, experts included. The scratch is threaded from step to step as a
-decode loop threads it. µs a layer = back-to-back step / L; x baseline = the baseline's step / this one's.
+decode loop threads it. µs a layer = back-to-back step / L; baseline / jax_moe = the two steps' ratio.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ METHOD = common.STEP_METHOD
 def make_step(variant: str, config, unroll):
     """``step((y, scratch or ()), params, x) -> (y, scratch or ())``."""
     if variant == BASELINE:
-        return lambda carry, params, x: (baseline.baseline_moe_stack(params, x, config, unroll=unroll), ())
-    return lambda carry, params, x: jax_moe.moe_stack(params, x, carry[1], unroll=unroll)
+        return lambda state, p, x: (baseline.baseline_moe_stack(p, x, config, unroll=unroll), ())
+    return lambda state, p, x: jax_moe.moe_stack(p, x, state[1], unroll=unroll)
 
 
 def measure_model(model: ModelShape, token_counts, clock, time_limit_s, notes) -> list[dict]:
-    layers, key = model.layers_that_fit(model.stack_layers, common.card_bytes()), jax.random.key(0)
+    layers, key = model.layers_that_fit(common.card_bytes()), jax.random.key(0)
     params = common.init_stack_params(key, model.config(max(token_counts)), layers, model.ffn_size,
                                       **model.param_options())
     rows = []
@@ -51,17 +51,12 @@ def measure_model(model: ModelShape, token_counts, clock, time_limit_s, notes) -
                 try:
                     state = (jnp.zeros_like(x), () if variant == BASELINE else jax_moe.init_scratch(config))
                     step = jax.jit(make_step(variant, config, unroll), donate_argnums=(0,) if donated else ())
-                    row.update(common.time_step(step.lower(state, params, x).compile(), state, params, x, layers=layers))
+                    compiled = step.lower(state, params, x).compile()
+                    row.update(common.time_step(compiled, state, params, x, layers=layers))
                 except Exception as e:  # recorded; the other cases still run
                     row["error"] = common.describe_error(e)
-                clock.log(f"stack {model.name} T={tokens} {variant} {scan}: "
-                          f"{row.get('step_us_back_to_back', row.get('error'))} us/step")
+                clock.log(f"stack {model.name} T={tokens} {variant} {scan}: {common.outcome(row)} a layer")
                 rows.append(row)
-    for row in rows:
-        base = next((r.get("step_us_back_to_back") for r in rows if (r["variant"], r["T"], r["scan"]) ==
-                     (BASELINE, row["T"], row["scan"])), None)
-        if base and "step_us_back_to_back" in row:
-            row["ratio_to_baseline"] = row["step_us_back_to_back"] / base
     return rows
 
 

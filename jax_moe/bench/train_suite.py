@@ -1,6 +1,6 @@
 """Suite train: one training step (forward and backward) of the MoE stack, per layer.
 
-Per model and T, each of STEPS: ``jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))`` of the stack's L
+Per model and T, each of LOSSES: ``jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))`` of the stack's L
 pre-norm residual layers (the model's training depth, fewer where the params and their gradients would
 not fit), ``loss = mean(y ** 2)`` in float32, every gradient an output: ``moe_stack`` with its scratch
 donated and threaded, and the pure-JAX stack on ``ragged_dot`` where its weight gradient stays small.
@@ -38,29 +38,20 @@ def _loss(y):
     return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
 
-def jax_moe_step(config, params, x):
-    """``(compiled step, its first state, how the timer threads the state)``: the scratch is the state."""
+def jax_moe_loss(config):
     def loss(p, x, s):
         y, s = jax_moe.moe_stack(p, x, s)
         return _loss(y), s
-    scratch = jax_moe.init_scratch(config)
-    grad = jax.jit(lambda s, p, x: jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, x, s), donate_argnums=0)
-    compiled = grad.lower(scratch, params, x).compile()
-    return compiled, scratch, lambda s, p, x: compiled(s, p, x)[0][1]  # done when the gradients are
+    return loss, jax_moe.init_scratch(config)
 
 
-def baseline_step(config, params, x):
-    grad = jax.jit(lambda _, p, x: jax.value_and_grad(lambda p, x: _loss(baseline.baseline_moe_stack(p, x, config)),
-                                                      argnums=(0, 1))(p, x))
-    compiled = grad.lower(None, params, x).compile()
-    return compiled, None, lambda _, p, x: compiled(None, p, x)
+def baseline_loss(config):
+    return (lambda p, x, s: (_loss(baseline.baseline_moe_stack(p, x, config)), s)), jnp.zeros(())
 
 
-STEPS = {"jax_moe": jax_moe_step, "baseline": baseline_step}
-
-
-def train_layers(model: ModelShape, limit_bytes: float | None) -> int:
-    return model.layers_that_fit(model.train_layers, limit_bytes, copies=2, least=1)  # weights and gradients
+# name -> (loss(params, x, state) -> (loss, state), first state): the state is threaded from step to step
+# (jax_moe's scratch, donated; a scalar where there is none). A JAX peer is one more entry.
+LOSSES = {"jax_moe": jax_moe_loss, "baseline": baseline_loss}
 
 
 def measure(model: ModelShape, tokens: int, layers: int, params, copy_gbs, dense_tflops, peer, notes) -> list[dict]:
@@ -73,16 +64,20 @@ def measure(model: ModelShape, tokens: int, layers: int, params, copy_gbs, dense
     config = model.config(tokens, real_routing=False)
     x = jax.random.normal(jax.random.key(tokens), (tokens, model.hidden_size), ROW_DTYPE)
     rows = []
-    for name, make in STEPS.items():
+    for name, make_loss in LOSSES.items():
         if name == "baseline" and tokens * model.top_k * model.num_experts > BASELINE_MAX_ROWS_X_EXPERTS:
             notes.append(f"{model.name} T={tokens}: baseline not run (rows x E > {BASELINE_MAX_ROWS_X_EXPERTS})")
             continue
         row = {**base, "impl": name}
         try:  # a step that fails to compile or runs out of memory is recorded; the run goes on
-            compiled, state, thread = make(config, params, x)
+            loss, state = make_loss(config)
+            grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+            compiled = jax.jit(lambda s, p, x: grad(p, x, s), donate_argnums=0).lower(state, params, x).compile()
             m = compiled.memory_analysis()
-            row["peak_bytes"] = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-            row.update(common.time_step(thread, state, params, x, layers=layers))
+            row["peak_bytes"] = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                                 - m.alias_size_in_bytes)
+            # The state is an output of the step's one executable: ready when every gradient is.
+            row.update(common.time_step(lambda s, p, x: compiled(s, p, x)[0][1], state, params, x, layers=layers))
             row["step_us"] = row["step_us_back_to_back"]
         except Exception as e:
             row["error"] = common.describe_error(e)
@@ -96,7 +91,7 @@ def measure(model: ModelShape, tokens: int, layers: int, params, copy_gbs, dense
 
 def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1, *, on_rows=None, time_limit_s=None,
         with_peer: bool = True):
-    layers_of, notes = stack_counts(models, train_layers, common.card_bytes(), held=" and as much of gradients")
+    layers_of, notes = stack_counts(models, common.card_bytes(), training=True)
     peers = {}
     for model in models if with_peer else ():  # first, while this process holds none of the card
         for tokens in token_counts:
@@ -117,7 +112,7 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1,
                 model, tokens, layers_of[model.name], params, copy_gbs, dense_tflops, peers.get((model.name, tokens)),
                 notes), on_rows)
             clock.log(f"train {model.name} T={tokens}: " + ", ".join(
-                f"{r['impl']} {r.get('us_per_layer', r.get('error'))}" for r in rows if r["T"] == tokens))
+                f"{r['impl']} {common.outcome(r)}" for r in rows if (r["model"], r["T"]) == (model.name, tokens)))
         params = None  # freed before the next model's stack is built
     return rows, notes
 
@@ -127,7 +122,8 @@ def table(rows: list[dict]) -> str:
     gib = lambda v: common.MISSING if v is None else f"{v / 2**30:.1f}"  # noqa: E731
     columns = [(f"{impl} µs/layer", common.cell(impl, "us_per_layer")) for impl in impls]
     columns += [(f"{impl} / jax_moe", common.speedup(impl, "jax_moe", "us_per_layer")) for impl in impls[1:]]
-    columns += [("jax_moe TFLOP/s", common.cell("jax_moe", "tflops")), ("roofline µs", common.cell("jax_moe", "roofline_us")),
+    columns += [("jax_moe TFLOP/s", common.cell("jax_moe", "tflops")),
+                ("roofline µs", common.cell("jax_moe", "roofline_us")),
                 ("jax_moe % roofline", common.cell("jax_moe", "roofline_pct", common.fmt_pct))]
     columns += [(f"{impl} peak GiB", common.cell(impl, "peak_bytes", gib)) for impl in impls]
     return common.pivot(rows, ("model", "T", "layers"), columns)
