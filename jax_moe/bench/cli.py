@@ -86,10 +86,8 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.suites:
         suite, start = SUITES[name], clock.elapsed()
-        options = {"permute": {"layer_counts": tuple(args.layers or permute_suite.LAYER_COUNTS)},
-                   "parallel": {"layer_counts": tuple(args.layers or parallel_suite.LAYER_COUNTS)},
-                   "train": {"with_peer": not args.no_peer},
-                   "decode": {"with_peer": not args.no_peer}}.get(name, {})
+        options = ({"layer_counts": tuple(args.layers or suite.LAYER_COUNTS)} if name in ("permute", "parallel")
+                   else {"with_peer": not args.no_peer} if name in ("train", "decode") else {})
 
         def save(rows, notes, name=name, suite=suite, start=start, options=options):
             record = {"suite": name, "meta": env, "about": " ".join(suite.__doc__.split()), "method": suite.METHOD,

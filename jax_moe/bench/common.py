@@ -51,11 +51,11 @@ LOOP_METHOD = (
     f"result (nothing dead); N1, N2 = {LOOP_COUNTS}, N2 growing up to {LOOP_MAX_CALLS} while within its noise.")
 
 
+@dataclasses.dataclass
 class Clock:
     """Seconds since the run started, and progress lines prefixed with them."""
 
-    def __init__(self):
-        self.start = time.perf_counter()
+    start: float = dataclasses.field(default_factory=time.perf_counter)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -70,8 +70,7 @@ class Clock:
         return True
 
 
-def outcome(row: dict, field: str = "us_per_layer") -> str:
-    """A row's time for the log, or its error."""
+def outcome(row: dict, field: str = "us_per_layer") -> str:  # a row's time for the log, or its error
     return f"{row[field]:.2f} µs" if field in row else row.get("error", "not run")
 
 
@@ -330,15 +329,18 @@ def in_child(function: str, timeout_s: float | None, **kwargs):
     return run_child(["-c", code, function, json.dumps(kwargs)], timeout_s)
 
 
-def run_torch_peer(model, layers: int, tokens, steps: int, warmup: int, timeout_s: float, decode: bool = False):
-    """``torch_peer.py``'s JSON for a model, or ``{"error": ...}``; JAX is kept off the card there."""
+def run_torch_peer(clock: Clock, model, layers: int, tokens, steps: int, warmup: int, timeout_s: float,
+                   decode: bool = False) -> list[dict]:
+    """``torch_peer.py``'s row for each T (its time, or its error); JAX is kept off the card there."""
     spec = {"experts": model.num_experts, "top_k": model.top_k, "hidden": model.hidden_size, "ffn": model.ffn_size,
             "layers": layers, "tokens": list(tokens), "steps": steps, "warmup": warmup, "decode": decode}
     try:
-        return run_child([str(pathlib.Path(__file__).with_name("torch_peer.py")), json.dumps(spec)], timeout_s,
+        rows = run_child([str(pathlib.Path(__file__).with_name("torch_peer.py")), json.dumps(spec)], timeout_s,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     except RuntimeError as e:
-        return {"error": f"peer: {e}"}
+        rows = [{"T": t, "error": f"peer: {e}"} for t in tokens]
+    clock.log(f"peer {model.name}: " + ", ".join(f"T={r['T']} {outcome(r)}" for r in rows))
+    return rows
 
 
 # --- records and tables ---------------------------------------------------------------------------

@@ -120,12 +120,9 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1,
         isolate = (len(models) > 1 and jax.default_backend() == "gpu"
                    and os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() == "false")
     layers, notes = stack_counts(models, common.card_bytes())
-    peers = {}
-    for model in models if with_peer else ():  # first, before JAX holds any of the card
-        result = common.run_torch_peer(model, layers[model.name], token_counts, PEER_STEPS, PEER_WARMUP,
-                                       PEER_TIMEOUT_S, decode=True)
-        peers[model.name] = result.get("results") or [{"T": t, **result} for t in token_counts]
-        clock.log(f"decode peer {model.name}: {peers[model.name]}")
+    # The peer first, while this process holds none of the card.
+    peers = {model.name: common.run_torch_peer(clock, model, layers[model.name], token_counts, PEER_STEPS, PEER_WARMUP,
+                                               PEER_TIMEOUT_S, decode=True) for model in models if with_peer}
     copy_gbs, dense_tflops = common.ceilings(clock, notes)
     rows = []
     for model in models:

@@ -12,6 +12,8 @@ stack, decode and train suites.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -33,11 +35,9 @@ TITLE = "Grouped GEMM (suite gemm)"
 METHOD = common.LOOP_METHOD + " The scratch is threaded from call to call."
 
 
-def _mgpu(config):
-    def fn(rows, weights, sizes):
-        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-        return ragged_dot_mgpu.ragged_dot(rows, weights, group_sizes=sizes, **config), (rows, weights, sizes)
-    return fn
+def _mgpu(rows, weights, sizes, config):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # where Pallas runs: its import fails elsewhere
+    return ragged_dot_mgpu.ragged_dot(rows, weights, group_sizes=sizes, **config), (rows, weights, sizes)
 
 
 def impls(tokens: int, config, scratch, weights) -> dict:
@@ -55,7 +55,7 @@ def impls(tokens: int, config, scratch, weights) -> dict:
                   (rows[:tokens * config.top_k], weights[0])),
     }
     for i, mgpu_config in enumerate(MGPU_CONFIGS if config.num_experts <= MGPU_MAX_EXPERTS else ()):
-        out[f"ragged_dot_mgpu/{i}"] = (_mgpu(mgpu_config), (rows, weights, sizes))
+        out[f"ragged_dot_mgpu/{i}"] = (functools.partial(_mgpu, config=mgpu_config), (rows, weights, sizes))
     return out
 
 

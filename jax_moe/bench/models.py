@@ -9,8 +9,7 @@ import jax.numpy as jnp
 from jax_moe.config import MoEConfig
 
 ROW_DTYPE = jnp.bfloat16
-# A stack's params may take this share of the allocator's limit; the rest is the step's temporaries.
-PARAMS_SHARE = 0.8
+PARAMS_SHARE = 0.8  # of the allocator's limit a stack's params may take; the rest is the step's temporaries
 MIN_LAYERS = 2
 
 
@@ -18,9 +17,8 @@ MIN_LAYERS = 2
 class ModelShape:
     """One model's MoE layer: E experts, top k, hidden H, expert width F, its routing options (``MoEConfig``
     keywords), shared expert and correction bias (``init_moe_params`` keywords), and the depths of the
-    stacks the suites run: enough layers that one layer's experts are not in L2 from the step before,
-    no more than fit an H200 (``layers_that_fit`` takes fewer on a smaller card), and as many again
-    for a training step's gradients."""
+    stacks the suites run: enough layers that one layer's experts are not in L2 from the step before, no
+    more than fit an H200 (training: beside their gradients; ``layers_that_fit`` takes fewer on a smaller card)."""
 
     name: str
     label: str

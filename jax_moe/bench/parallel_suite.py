@@ -78,8 +78,7 @@ def ragged_all_to_all_support(mesh: Mesh) -> str:
         return common.describe_error(e)
 
 
-def _fresh(x: jax.Array, where) -> jax.Array:
-    """A copy of x on ``where``, never an alias of x (a donating program would delete x)."""
+def _fresh(x: jax.Array, where) -> jax.Array:  # never an alias of x, which a donating program would delete
     return jax.device_put(jnp.copy(x), where)
 
 

@@ -124,7 +124,6 @@ def build_program(case: str, model: ModelShape, tokens: int, scan: str, routing:
     return common.ScanProgram(fn, make_state, routing, donate=not not_donated)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def random_routing(key, layers: int, tokens: int, num_experts: int, top_k: int):
     """Per-layer routing [L, T, k]: k distinct uniform expert ids per token, softmax weights."""
     id_key, weight_key = jax.random.split(key)

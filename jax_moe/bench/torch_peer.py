@@ -79,23 +79,23 @@ def measure(spec, blocks, tokens: int) -> dict:
 
 
 def main(spec: str, out: str) -> None:
-    spec, result = types.SimpleNamespace(**json.loads(spec)), {"results": []}
+    spec, results = types.SimpleNamespace(**json.loads(spec)), []
     try:
         import torch
         import transformers
         blocks = build_stack(spec)
-        result.update(torch=torch.__version__, transformers=transformers.__version__)
+        versions = {"torch": torch.__version__, "transformers": transformers.__version__}
         for tokens in spec.tokens:
             try:  # one T failing (capture, memory) must not lose the others
                 row = measure(spec, blocks, tokens)
                 row["us_per_layer"] = row["step_us"] / spec.layers
             except Exception as e:
                 row = {"error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
-            result["results"].append({"T": tokens, "layers": spec.layers, **row})
+            results.append({"T": tokens, "layers": spec.layers, **versions, **row})
     except Exception as e:  # torch or transformers missing: reported to the suite
-        result = {"error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
+        results = [{"T": tokens, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"} for tokens in spec.tokens]
     with open(out, "w") as f:
-        json.dump(result, f)
+        json.dump(results, f)
 
 
 if __name__ == "__main__":

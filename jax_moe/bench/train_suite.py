@@ -26,8 +26,7 @@ MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
 TOKENS = (1024, 4096, 16384)
 QUICK_MODELS = ("qwen3_30b",)
 QUICK_TOKENS = (4096,)
-# The pure-JAX weight gradient is ragged_dot's transpose, a dense [rows, E, H] tensor (Qwen3-30B at
-# T = 4096 asked 32 GiB to autotune it): it runs only below this.
+# The pure-JAX weight gradient is a dense [rows, E, H] tensor (32 GiB to autotune for Qwen3-30B at T = 4096).
 BASELINE_MAX_ROWS_X_EXPERTS = 1024 * 8 * 128
 PEER, PEER_TIMEOUT_S = "torch+hf grouped_mm", 240
 TITLE = "Training step (suite train)"
@@ -92,13 +91,10 @@ def measure(model: ModelShape, tokens: int, layers: int, params, copy_gbs, dense
 def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1, *, on_rows=None, time_limit_s=None,
         with_peer: bool = True):
     layers_of, notes = stack_counts(models, common.card_bytes(), training=True)
-    peers = {}
-    for model in models if with_peer else ():  # first, while this process holds none of the card
-        for tokens in token_counts:
-            result = common.run_torch_peer(model, layers_of[model.name], (tokens,), common.MIN_REPEATS,
-                                           common.WARMUP_CALLS, PEER_TIMEOUT_S)
-            peers[model.name, tokens] = (result.get("results") or [result])[0]
-            clock.log(f"peer {model.name} T={tokens}: {peers[model.name, tokens]}")
+    # The peer first, while this process holds none of the card.
+    peers = {(model.name, tokens): common.run_torch_peer(clock, model, layers_of[model.name], (tokens,),
+                                                         common.MIN_REPEATS, common.WARMUP_CALLS, PEER_TIMEOUT_S)[0]
+             for model in models if with_peer for tokens in token_counts}
     notes += [] if with_peer else ["peer: not run (--no-peer)"]
     copy_gbs, dense_tflops = common.ceilings(clock, notes)
     rows = []
