@@ -347,9 +347,9 @@ def check_errors():
 
 def check_bench_suite(num_devices):
     """The parallel benchmark suite runs on all devices: every case timed, shares derived."""
-    from jax_moe.bench import parallel_suite, timing
+    from jax_moe.bench import common, parallel_suite
     from jax_moe.bench.models import MODELS
-    rows, notes = parallel_suite.run([MODELS["tiny"]], (2,), timing.Clock(), compile_threads=2, layer_counts=(1, 2))
+    rows, notes = parallel_suite.run([MODELS["tiny"]], (2,), common.Clock(), compile_threads=2, layer_counts=(1, 2))
     errors = [r["error"] for r in rows if "error" in r]
     assert not errors, errors
     assert {r["devices"] for r in rows} == {num_devices}
