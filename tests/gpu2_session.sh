@@ -5,8 +5,7 @@
 #   parallel  the parallel bench suite on both GPUs, then on GPU 0 alone (nothing else running)
 #   gemm      the gemm suite, models split over the two GPUs (one process each, each measuring its
 #             own baselines and copy ceiling), and the stack suite on GPU 1 after its share
-#   ncu       Nsight Compute on the grouped GEMM where it misses its targets
-# Usage (repo root): OUT=dir bash tests/gpu2_session.sh tests parallel gemm ncu
+# Usage (repo root): OUT=dir bash tests/gpu2_session.sh tests parallel gemm
 # Logs and results land in $RUN (default /tmp/jax_moe_run), packed into $OUT/run.tgz after each step.
 set -uo pipefail
 OUT=${OUT:-/tmp/jax_moe_gpu2}
@@ -50,17 +49,6 @@ for step in "$@"; do
        --out "$RUN/stack" >"$RUN/stack.log" 2>&1) &
     wait
     tail -30 "$RUN/gemm_gpu0.log" "$RUN/gemm_gpu1.log" "$RUN/stack.log"
-    ;;
-  ncu)
-    stage "ncu, grouped GEMM misses"
-    for shape in "qwen3_30b 1" "qwen3_30b 1024" "deepseek_v3 1024"; do
-      read -r model tokens <<<"$shape"
-      timeout 90 ncu --clock-control none --kernel-name regex:device_kernel --launch-skip 2 --launch-count 1 \
-        --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-        python3 -m jax_moe.bench.gemm_profile --model "$model" --tokens "$tokens" >"$RUN/ncu_${model}_$tokens.txt" 2>&1
-      grep -E "T=|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Grid Size|Achieved Occupancy|Waves" \
-        "$RUN/ncu_${model}_$tokens.txt" | head -12
-    done
     ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -9,7 +9,7 @@ evaluator below runs its top level (``load``, assignments, rule calls; ``glob``,
   ``tests/test_*.py`` run by a ``py_test``, every ``notebooks/*.ipynb`` in some rule's data;
 - every file BUILD names exists, and every local label (``:name``) is a target or an output of one;
 - each pybind11 extension is built from the same .cc/.cu files as its CMake module in
-  ``cuda/CMakeLists.txt`` or ``cuda/bench/CMakeLists.txt`` (its sources and its linked libraries'),
+  ``cuda/**/CMakeLists.txt`` (its sources and its linked libraries', wherever they are defined),
   is named like its ``PYBIND11_MODULE``, and lands in ``jax_moe/``.
 """
 
@@ -19,6 +19,7 @@ import ast
 import dataclasses
 import os
 import pathlib
+import posixpath
 import re
 
 import pytest
@@ -207,7 +208,7 @@ def _cmake_modules(root: pathlib.Path) -> dict[str, set[str]]:
         text = re.sub(r"#[^\n]*", "", path.read_text())
         for command, name, body in re.findall(r"\b(pybind11_add_module|add_library|add_executable)\(\s*([\w$]+)([^)]*)\)",
                                               text):
-            files = {f"{folder}/{w}" for w in body.split() if w.endswith((".cc", ".cu", ".cpp"))}
+            files = {posixpath.normpath(f"{folder}/{w}") for w in body.split() if w.endswith((".cc", ".cu", ".cpp"))}
             sources.setdefault(name, set()).update(files)
             if command == "pybind11_add_module":
                 modules.append(name)
