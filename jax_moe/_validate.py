@@ -1,4 +1,4 @@
-"""Trace-time argument checks shared by the native ops and the reference (DESIGN.md §3).
+"""Trace-time argument checks shared by the native ops and the reference.
 
 Every failure is a ValueError naming the argument, what was expected and what was given.
 """
