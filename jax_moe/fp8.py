@@ -16,7 +16,7 @@ dequantised exactly, and the product is accumulated in float32 and rounded to th
 SwiGLU's activation between the projections is float32, rounded to the rows' dtype.
 ``gemm.fp8_swiglu_forward`` runs both projections on the GPU in one call (CUTLASS's
 blockwise-scaled FP8 grouped GEMM, or for small decode reads the FP8 decode kernel of
-``cuda/decode_gemm.h``; ``gemm.fp8_forward`` is one projection on CUTLASS) and elsewhere as
+``cuda/fp8_decode_gemm_kernels.h``; ``gemm.fp8_forward`` is one projection on CUTLASS) and elsewhere as
 ``gemm.fp8_swiglu_dequantized``. Gradients reach the rows only, as if
 the quantisation of the rows were the identity (FP8 experts are for inference).
 """
@@ -101,7 +101,7 @@ def quantize_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
 
     scale = max |x| * (1 / 448) (1 for an all-zero group) and q = x * (1 / scale) rounded to
     nearest, saturating at 448: each step one IEEE float32 operation, so the CUDA kernel
-    (``cuda/grouped_gemm_fp8.cu``, QuantizeRows) writes the same bytes. (Written with a reciprocal
+    (``cuda/fp8_gemm_kernels.cu``, QuantizeRows) writes the same bytes. (Written with a reciprocal
     because XLA's CPU backend turns ``x / y`` into a multiply by an approximate reciprocal.)
     """
     _check_rows("quantize_rows", "rows", rows)

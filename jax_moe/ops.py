@@ -167,7 +167,7 @@ def rows_by_route(xs: tuple[jax.Array, ...], dest: jax.Array, src: jax.Array) ->
 
     first = xs[0]
     one_kind = all(x.shape == first.shape and x.dtype == first.dtype for x in xs)
-    if not (_native.HAS_CUDA and one_kind and 1 <= len(xs) <= 4 and first.ndim == 2
+    if not (_native.HAS_CUDA and one_kind and 1 <= len(xs) <= _native.constants.GATHER_ROWS_MAX_ARRAYS and first.ndim == 2
             and first.shape[1] * first.dtype.itemsize % 16 == 0):
         return fallback(dest, src, *xs)
     return tuple(lax.platform_dependent(dest, src, *xs, cuda=native, default=fallback))
@@ -249,7 +249,7 @@ def permute(x: jax.Array, topk_ids: jax.Array, scratch: MoEScratch, prefetch: ja
         hint: on a GPU, a decode-sized permute (one launch) starts the first ``prefetch_bytes`` of
         each routed expert's slab towards L2 in extra blocks of its launch, so the HBM streams
         them while the rows are copied. Results and gradients are the same with or without it.
-      prefetch_bytes: bytes of each routed expert's slab to prefetch (whole 128-byte lines, at most
+      prefetch_bytes: bytes of each routed expert's slab to prefetch (whole cache lines, at most
         a slab); None: ``tuning.prefetch_bytes`` split over the routes (``jax_moe.plan`` decides it
         for the layers).
 
@@ -264,11 +264,11 @@ def permute(x: jax.Array, topk_ids: jax.Array, scratch: MoEScratch, prefetch: ja
     num_local = scratch.config.num_local_experts
     if jnp.ndim(prefetch) < 2 or jnp.shape(prefetch)[0] != num_local:
         raise ValueError(f"permute: prefetch: expected [El={num_local}, ...] weights, got shape {jnp.shape(prefetch)}")
-    slab = math.prod(prefetch.shape[1:]) * jnp.dtype(prefetch.dtype).itemsize
+    slab, line = math.prod(prefetch.shape[1:]) * jnp.dtype(prefetch.dtype).itemsize, _native.constants.PREFETCH_LINE_BYTES
     if prefetch_bytes is None:
-        prefetch_bytes = min(slab, DEFAULT_TUNING.prefetch_bytes // max(ids.size, 1)) // 128 * 128
-    if not isinstance(prefetch_bytes, int) or prefetch_bytes < 0 or prefetch_bytes % 128 or prefetch_bytes > slab:
-        raise ValueError(f"permute: prefetch_bytes: expected a multiple of 128 from 0 to {slab} (one expert's "
+        prefetch_bytes = min(slab, DEFAULT_TUNING.prefetch_bytes // max(ids.size, 1)) // line * line
+    if not isinstance(prefetch_bytes, int) or prefetch_bytes < 0 or prefetch_bytes % line or prefetch_bytes > slab:
+        raise ValueError(f"permute: prefetch_bytes: expected a multiple of {line} from 0 to {slab} (one expert's "
                          f"slab), got {prefetch_bytes!r}")
     return _permute_prefetching(x, ids, scratch, prefetch, prefetch_bytes)
 

@@ -27,10 +27,10 @@ from jax_moe.config import MoEConfig
 from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, ROUTING_TILE
 from jax_moe.tuning import DEFAULT_TUNING, Tuning
 
-# Kernel limits (what the kernels can run, not tuning).
-DECODE_MAX_ROWS_PER_PASS = 8  # the bf16 decode kernel's rows staged per pass over an expert's weights
-FP8_DECODE_MAX_K = 16384  # the FP8 decode kernel stages K in shared memory up to this
-FP8_DECODE_MAX_SHARED_ROWS = 16  # tokens a shared expert takes in the FP8 decode kernel's launches
+# Kernel limits (what the kernels can run, not tuning; cuda/constants.h).
+DECODE_MAX_ROWS_PER_PASS = _native.constants.DECODE_GEMM_MAX_ROWS_PER_PASS  # rows staged per pass over weights
+FP8_DECODE_MAX_K = _native.constants.FP8_DECODE_MAX_K  # the FP8 decode kernel stages K in shared memory
+FP8_DECODE_MAX_SHARED_ROWS = _native.constants.FP8_DECODE_MAX_SHARED_ROWS  # a riding shared expert's tokens
 FP8_TILE_ROWS = (64, 128)  # the FP8 CUTLASS row tiles: ping-pong 64, cooperative 128
 
 TILES = ("small", "medium", "large", "decode")
@@ -302,7 +302,8 @@ def plan_layer(config: MoEConfig, num_tokens: int, params: dict, *, expert_fn=No
 
     if (prefetch and fields.get("tile") == "decode" and jnp.dtype(params["gate_up"].dtype) == config.dtype):
         slab = math.prod(params["gate_up"].shape[-2:]) * jnp.dtype(params["gate_up"].dtype).itemsize
-        nbytes = min(slab, tuning.prefetch_bytes // (num_tokens * top_k)) // 128 * 128
+        line = _native.constants.PREFETCH_LINE_BYTES
+        nbytes = min(slab, tuning.prefetch_bytes // (num_tokens * top_k)) // line * line
         if nbytes:
             fields.update(permute="prefetch", prefetch_bytes=nbytes)
     elif (quantize_in_permute and experts == "fp8_grouped_gemm" and config.dtype == jnp.bfloat16

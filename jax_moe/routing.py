@@ -92,8 +92,10 @@ def route_logits(logits: jax.Array, config: MoEConfig, bias: jax.Array | None = 
     return chosen_weights(scores, ids, config), ids
 
 
-# The CUDA choice kernel's limits (cuda/route_kernels.h, ChooseExpertsFits).
-CHOOSE_MAX_EXPERTS, CHOOSE_MAX_TOP_K, CHOOSE_MAX_GROUPS = 1024, 32, 32
+# The CUDA choice kernel's limits (cuda/constants.h).
+CHOOSE_MAX_EXPERTS = _native.constants.CHOOSE_EXPERTS_MAX_EXPERTS
+CHOOSE_MAX_TOP_K = _native.constants.CHOOSE_EXPERTS_MAX_TOP_K
+CHOOSE_MAX_GROUPS = _native.constants.CHOOSE_EXPERTS_MAX_GROUPS
 
 
 def choose_experts(choice: jax.Array, config: MoEConfig) -> jax.Array:
@@ -223,12 +225,12 @@ def update_router_bias(bias: jax.Array, counts: jax.Array, rate: float) -> jax.A
 
 # --- the CUDA router ------------------------------------------------------------------------------
 
-# The CUDA decode router's limits (cuda/route_kernels.h, DecodeRouteFits).
-DECODE_ROUTE_MAX_TOKENS = 16
-DECODE_ROUTE_MAX_EXPERTS = 512
-DECODE_ROUTE_MAX_PAIRS = 4096  # T * E
-DECODE_ROUTE_MAX_TOP_K = 32
-DECODE_ROUTE_MAX_GROUPS = 32
+# The CUDA decode router's limits (cuda/constants.h).
+DECODE_ROUTE_MAX_TOKENS = _native.constants.DECODE_ROUTE_MAX_TOKENS
+DECODE_ROUTE_MAX_EXPERTS = _native.constants.DECODE_ROUTE_MAX_EXPERTS
+DECODE_ROUTE_MAX_PAIRS = _native.constants.DECODE_ROUTE_MAX_PAIRS  # T * E
+DECODE_ROUTE_MAX_TOP_K = _native.constants.DECODE_ROUTE_MAX_TOP_K
+DECODE_ROUTE_MAX_GROUPS = _native.constants.DECODE_ROUTE_MAX_GROUPS
 
 
 

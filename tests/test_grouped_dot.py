@@ -1,6 +1,6 @@
 """gemm.grouped_dot: ``jax.lax.ragged_dot``'s products, each row times its own group's weights.
 
-On CPU it is a C++ kernel (cuda/cpu_grouped_dot.cc) whose every output element is one float32 sum
+On CPU it is a C++ kernel (cuda/grouped_gemm_cpu.cc) whose every output element is one float32 sum
 in ascending order of the reduction index, each product and sum rounded: the tests pin those bits
 against a NumPy emulation of that order, the zeros (rows past the groups, empty groups' weight
 gradients) exactly, and the values and gradients against ragged_dot to float32 rounding.

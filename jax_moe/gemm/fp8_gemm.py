@@ -123,7 +123,7 @@ def _fp8_grouped_dot_bwd(residuals, d_out):
 _fp8_grouped_dot.defvjp(_fp8_grouped_dot_fwd, _fp8_grouped_dot_bwd)
 
 
-# The FP8 decode kernel's rows per pass over an expert's weights (cuda/decode_gemm.h,
+# The FP8 decode kernel's rows per pass over an expert's weights (cuda/fp8_decode_gemm_kernels.h,
 # LaunchFp8DecodeSwiglu): both projections in two launches, the rows quantised in each block.
 FP8_DECODE_ROWS_PER_PASS = (8, 16)
 

@@ -27,12 +27,15 @@ from jax_moe.gemm.swiglu import gated_silu
 
 
 # The tiles of the bf16 grouped GEMM by name (``jax_moe.plan.TILES``; ``plan.pick_tile`` chooses),
-# and their native ids (cuda/grouped_gemm.h, GemmTile). "decode" is the decode kernel.
+# and their native ids (cuda/constants.h). "decode" is the decode kernel.
 SMALL_M_TILE, MEDIUM_M_TILE, LARGE_M_TILE, DECODE_TILE = "small", "medium", "large", "decode"
 TILES = (SMALL_M_TILE, MEDIUM_M_TILE, LARGE_M_TILE, DECODE_TILE)
-_TILE_IDS = {SMALL_M_TILE: 0, LARGE_M_TILE: 1, DECODE_TILE: 2, MEDIUM_M_TILE: 3}
-# The products of cuda/grouped_gemm.h (GemmOp).
-FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
+_TILE_IDS = {SMALL_M_TILE: _native.constants.GEMM_TILE_SMALL_M, LARGE_M_TILE: _native.constants.GEMM_TILE_LARGE_M,
+             DECODE_TILE: _native.constants.GEMM_TILE_DECODE, MEDIUM_M_TILE: _native.constants.GEMM_TILE_MEDIUM_M}
+# The products of the grouped GEMM (cuda/constants.h).
+FORWARD = _native.constants.GEMM_OP_FORWARD
+INPUT_GRAD = _native.constants.GEMM_OP_INPUT_GRAD
+WEIGHT_GRAD = _native.constants.GEMM_OP_WEIGHT_GRAD
 
 
 def backward_workspace(num_groups: int) -> jax.Array:
