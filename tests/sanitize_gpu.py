@@ -124,7 +124,8 @@ for num_tokens, ffn, hidden_size in ((1, 96, 264), (40, 1024, 264), (1, 768, 204
     out, _ = jax.jit(lambda r, w, s: jax_moe.grouped_matmul(r, w, s, tile=jax_moe.gemm.DECODE_TILE))(
         scratch.permuted, w, scratch)
     gated, _ = jax.jit(lambda r, w, s: jax_moe.gemm.gated_forward(r, w, s.expert_offsets, s.workspace,
-                                                                  config.capacity, jax_moe.gemm.DECODE_TILE))(
+                                                                  config.capacity, jax_moe.gemm.DECODE_TILE,
+                                                                  jax_moe.plan.decode_rows_per_pass(config.capacity, 16)))(
         scratch.permuted, w, scratch)
     live = int(scratch.expert_offsets[-1])
     print("decode T", num_tokens, "live rows", live, "finite", bool(np.isfinite(np.asarray(out, np.float32)).all()),
