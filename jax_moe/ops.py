@@ -235,6 +235,18 @@ def _unpermute_bwd(residuals, d_out):
 unpermute_by_dest.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 
+def _slab_bytes(weights) -> int:
+    """Bytes of one expert's slab ``weights[e]`` of a stack [El, ...] (arrays or shapes)."""
+    return math.prod(weights.shape[1:]) * jnp.dtype(weights.dtype).itemsize
+
+
+def prefetch_bytes_per_route(num_routes: int, weights, budget: int) -> int:
+    """Bytes of each routed expert's slab ``weights[e]`` a permute asks L2 for: ``budget`` split over
+    the routes, at most a slab, whole cache lines."""
+    line = _native.constants.PREFETCH_LINE_BYTES
+    return min(_slab_bytes(weights), budget // max(num_routes, 1)) // line * line
+
+
 def permute(x: jax.Array, topk_ids: jax.Array, scratch: MoEScratch, prefetch: jax.Array | None = None, *,
             prefetch_bytes: int | None = None) -> MoEScratch:
     """Groups each token's top-k routes by local expert into the scratch (the module's contract).
@@ -264,9 +276,9 @@ def permute(x: jax.Array, topk_ids: jax.Array, scratch: MoEScratch, prefetch: ja
     num_local = scratch.config.num_local_experts
     if jnp.ndim(prefetch) < 2 or jnp.shape(prefetch)[0] != num_local:
         raise ValueError(f"permute: prefetch: expected [El={num_local}, ...] weights, got shape {jnp.shape(prefetch)}")
-    slab, line = math.prod(prefetch.shape[1:]) * jnp.dtype(prefetch.dtype).itemsize, _native.constants.PREFETCH_LINE_BYTES
+    slab, line = _slab_bytes(prefetch), _native.constants.PREFETCH_LINE_BYTES
     if prefetch_bytes is None:
-        prefetch_bytes = min(slab, DEFAULT_TUNING.prefetch_bytes // max(ids.size, 1)) // line * line
+        prefetch_bytes = prefetch_bytes_per_route(ids.size, prefetch, DEFAULT_TUNING.prefetch_bytes)
     if not isinstance(prefetch_bytes, int) or prefetch_bytes < 0 or prefetch_bytes % line or prefetch_bytes > slab:
         raise ValueError(f"permute: prefetch_bytes: expected a multiple of {line} from 0 to {slab} (one expert's "
                          f"slab), got {prefetch_bytes!r}")

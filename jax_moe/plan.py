@@ -22,7 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_moe import _native, fp8, routing
+from jax_moe import _native, fp8, ops, routing
 from jax_moe.config import MoEConfig
 from jax_moe.scratch import GROUPED_MATMUL_ALIGN, GROUPED_MATMUL_DTYPES, ROUTING_TILE
 from jax_moe.tuning import DEFAULT_TUNING, Tuning
@@ -301,9 +301,8 @@ def plan_layer(config: MoEConfig, num_tokens: int, params: dict, *, expert_fn=No
         fields["norm_in_router"] = router_normalizes
 
     if (prefetch and fields.get("tile") == "decode" and jnp.dtype(params["gate_up"].dtype) == config.dtype):
-        slab = math.prod(params["gate_up"].shape[-2:]) * jnp.dtype(params["gate_up"].dtype).itemsize
-        line = _native.constants.PREFETCH_LINE_BYTES
-        nbytes = min(slab, tuning.prefetch_bytes // (num_tokens * top_k)) // line * line
+        layer_gate_up = jax.ShapeDtypeStruct(params["gate_up"].shape[-3:], params["gate_up"].dtype)
+        nbytes = ops.prefetch_bytes_per_route(num_tokens * top_k, layer_gate_up, tuning.prefetch_bytes)
         if nbytes:
             fields.update(permute="prefetch", prefetch_bytes=nbytes)
     elif (quantize_in_permute and experts == "fp8_grouped_gemm" and config.dtype == jnp.bfloat16
