@@ -6,8 +6,9 @@ float32 accumulation), on T*k rows routed uniformly at random and grouped by per
 Pallas Mosaic-GPU ``ragged_dot_mgpu`` (the best of MGPU_CONFIGS) and a dense ``jnp.dot`` of the same FLOPs
 (the compute ceiling). TFLOP/s = 2*T*k*H*2F / time; weight GB/s = bytes of the experts owning rows / time,
 against the copy ceiling (few rows an expert are bound by the weights' reads). A peer is one more entry
-of ``impls``; one that fails is an error row. The whole layer against its peers, and FP8 experts: the
-stack, decode and train suites.
+of ``impls``; one that fails is an error row. Then the SwiGLU expert block of the layer, forward and
+forward+backward, jax_moe against the JAX peers (``jax_peers.measure_block``). The whole layer against its
+peers, and FP8 experts: the stack, decode and train suites.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from jax import lax
 
 import jax_moe
 from jax_moe import plan
-from jax_moe.bench import common
+from jax_moe.bench import common, jax_peers
+from jax_moe.bench.jax_peers import MGPU_CONFIGS, MGPU_MAX_EXPERTS
 from jax_moe.bench.models import ROW_DTYPE, ModelShape
 
 MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
@@ -28,9 +30,6 @@ TOKENS = (1, 16, 128, 1024, 4096, 16384)
 QUICK_MODELS = ("qwen3_30b",)
 QUICK_TOKENS = (16, 4096)
 RAGGED_DOT_MAX_ROWS_X_EXPERTS = 16384 * 256  # past it ragged_dot takes seconds a call (157 ms: DeepSeek-V3, 8192 rows)
-MGPU_MAX_EXPERTS = 128  # its grid has a step per group and row block: compile time grows with E
-MGPU_CONFIGS = ({"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
-                {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 2})
 TITLE = "Grouped GEMM (suite gemm)"
 METHOD = common.LOOP_METHOD + " The scratch is threaded from call to call."
 
@@ -99,7 +98,7 @@ def measure(model: ModelShape, tokens: int, clock, notes, copy_gbs: float | None
 
 def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1, *, on_rows=None, time_limit_s=None):
     notes = []
-    copy_gbs, _ = common.ceilings(clock, notes)
+    copy_gbs, dense_tflops = common.ceilings(clock, notes)
     rows = []
     for model in models:
         for tokens in token_counts:
@@ -107,12 +106,16 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1,
                 break
             common.measure_isolated(rows, notes, clock, f"gemm {model.name} T={tokens}: failed",
                                     lambda: measure(model, tokens, clock, notes, copy_gbs), on_rows)
+            common.measure_isolated(rows, notes, clock, f"gemm block {model.name} T={tokens}: failed", lambda: (
+                jax_peers.measure_block(model, tokens, clock, notes, copy_gbs, dense_tflops)), on_rows)
     return rows, notes
 
 
 def table(rows: list[dict]) -> str:
+    blocks, rows = [r for r in rows if "pass" in r], [r for r in rows if "pass" not in r]
     columns = [(f"{impl} µs", common.cell(impl, "us")) for impl in dict.fromkeys(r["impl"] for r in rows)]
     columns += [("jax_moe TFLOP/s", common.cell("jax_moe", "tflops")),
                 ("jax_moe % of dense", common.cell("jax_moe", "pct_of_dense", common.fmt_pct)),
                 ("jax_moe weight read % of copy", common.cell("jax_moe", "pct_of_copy", common.fmt_pct))]
-    return "Gate/up GEMM:\n\n" + common.pivot(rows, ("model", "T"), columns)
+    return "Gate/up GEMM:\n\n" + common.pivot(rows, ("model", "T"), columns) + (
+        "\n\n" + jax_peers.table(blocks) if blocks else "")
