@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe
-from jax_moe import fp8
-from jax_moe.bench import common
+from jax_moe import baseline, fp8
+from jax_moe.bench import common, jax_peers
 from jax_moe.bench.models import MODELS as MODEL_SHAPES, ROW_DTYPE, ModelShape, stack_counts
 
 MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
@@ -64,21 +64,32 @@ def layer_flops(model: ModelShape, tokens: int) -> float:
     return routed + 2 * tokens * model.hidden_size * (3 * (model.shared_ffn or 0) + model.num_experts)
 
 
-def _time_variants(variants, params, inputs, layers, bases, dense_tflops, copy_gbs, clock) -> list[dict]:
+def _time_variants(variants, params, inputs, layers, bases, dense_tflops, copy_gbs, clock, peers_of=None) -> list[dict]:
+    """Each variant's row per T, and with ``peers_of`` (the model) each JAX peer's layer (``jax_peers``)."""
     rows = []
     for tokens, (config, x) in inputs.items():
         base = {**bases[tokens], "bytes_per_layer": layer_bytes(params, bases[tokens]["active_experts"])}
         base.update(common.roofline(base["bytes_per_layer"], base["flops_per_layer"], copy_gbs, dense_tflops))
-        for name, plan in variant_plans(variants, config, tokens, params).items():
-            row = {**base, "impl": name, "plan": str(plan), "tile": plan.tile}
+        steps = {name: ((lambda state, p, x, plan=plan: jax_moe.moe_stack(p, x, state[1], plan=plan)),
+                        {"plan": str(plan), "tile": plan.tile})
+                 for name, plan in variant_plans(variants, config, tokens, params).items()}
+        for name, fn in (jax_peers.layer_peers(peers_of, params, x, config) if peers_of else {}).items():
+            if not isinstance(fn, str):  # the scratch passes through the pure-JAX stack untouched
+                fn = lambda state, p, x, fn=fn, config=config: (baseline.baseline_moe_stack(p, x, config, expert_fn=fn),
+                                                                state[1])
+            if not str(fn).startswith("not run"):  # not run here: the parent's notes say why
+                steps[name] = (fn, {})
+        for name, (step, fields) in steps.items():
+            row = {**base, "impl": name, **fields}
             try:
+                if isinstance(step, str):  # a peer's failed check: reported, not timed
+                    raise RuntimeError(step)
                 state = (jnp.zeros_like(x), jax_moe.init_scratch(config))
-                step = jax.jit(lambda state, p, x, plan=plan: jax_moe.moe_stack(p, x, state[1], plan=plan),
-                               donate_argnums=0)
+                step = jax.jit(step, donate_argnums=0)
                 row.update(common.time_step(step.lower(state, params, x).compile(), state, params, x, layers=layers))
                 row["pct_roofline"] = row.get("roofline_us") and 100 * row["roofline_us"] / row["us_per_layer"]
             except Exception as e:  # recorded; the other variants still run
-                row["error"] = common.describe_error(e)
+                row["error"] = step if isinstance(step, str) else common.describe_error(e)
             rows.append(row)
         clock.log(f"decode {base['model']} T={tokens}: " + ", ".join(
             f"{r['impl']} {common.outcome(r)}" for r in rows if r["T"] == tokens))
@@ -100,7 +111,7 @@ def measure_model(model: ModelShape | str, token_counts, copy_gbs=None, dense_tf
                       "layers": layers, "flops_per_layer": layer_flops(model, tokens), "active_experts": float(
                           (np.asarray(count(params, x, jax_moe.init_scratch(config))) > 0).sum(-1).mean())}
              for tokens, (config, x) in inputs.items()}
-    rows = _time_variants(VARIANTS, params, inputs, layers, bases, dense_tflops, copy_gbs, clock)
+    rows = _time_variants(VARIANTS, params, inputs, layers, bases, dense_tflops, copy_gbs, clock, peers_of=model)
     rows += [{**bases[r["T"]], "impl": PEER, **{k: r[k] for k in ("us_per_layer", "error") if k in r}}
              for r in peer or () if r.get("T") in bases]
     del params
@@ -123,6 +134,8 @@ def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1,
     # The peer first, while this process holds none of the card.
     peers = {model.name: common.run_torch_peer(clock, model, layers[model.name], token_counts, PEER_STEPS, PEER_WARMUP,
                                                PEER_TIMEOUT_S, decode=True) for model in models if with_peer}
+    notes += [f"{model.name}: {name} {why}" for model in models for name, why in jax_peers.layer_peers(model).items()
+              if isinstance(why, str)]
     copy_gbs, dense_tflops = common.ceilings(clock, notes)
     rows = []
     for model in models:
@@ -147,6 +160,8 @@ def table(rows: list[dict]) -> str:
                ("kernel", common.cell("jax_moe", "tile", common.fmt_text))]
     columns += [(f"{impl} µs (% roofline)", common.cell(impl, "us_per_layer", pct="pct_roofline"))
                 for impl in dict.fromkeys(r["impl"] for r in rows)]
+    columns += [(f"{impl} / jax_moe", common.speedup(impl, "jax_moe", "us_per_layer"))
+                for impl in dict.fromkeys(r["impl"] for r in rows) if impl.startswith("baseline/")]
     columns += [("peer / jax_moe", common.speedup(PEER, "jax_moe", "us_per_layer")),
                 ("FP8 vs bf16", common.speedup("jax_moe", "jax_moe/fp8", "us_per_layer"))]
     return common.pivot(rows, ("label", "T"), columns)

@@ -3,7 +3,8 @@
 Per model and T, each of LOSSES: ``jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))`` of the stack's L
 pre-norm residual layers (the model's training depth, fewer where the params and their gradients would
 not fit), ``loss = mean(y ** 2)`` in float32, every gradient an output: ``moe_stack`` with its scratch
-donated and threaded, and the pure-JAX stack on ``ragged_dot`` where its weight gradient stays small.
+donated and threaded, and the pure-JAX stack on ``ragged_dot`` where its weight gradient stays small, and
+on each JAX peer's grouped GEMM (``jax_peers.LAYER_PEERS``: ``baseline/<peer>``, checked before it is timed).
 The PyTorch + Hugging Face peer (``torch_peer.py``: transformers blocks on torch's grouped_mm, eager
 backward, CUDA events) runs in its own process before JAX takes any of the card. Every model routes like
 that peer (softmax top-k, renormalised, no shared expert), so all sides do the same work. TFLOP/s = 3 x
@@ -14,12 +15,14 @@ analysis (arguments + outputs + temporaries - aliased) and torch.cuda.max_memory
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 import jax_moe
 from jax_moe import baseline
-from jax_moe.bench import common
+from jax_moe.bench import common, jax_peers
 from jax_moe.bench.models import ROW_DTYPE, ModelShape, stack_counts
 
 MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
@@ -44,8 +47,8 @@ def jax_moe_loss(config):
     return loss, jax_moe.init_scratch(config)
 
 
-def baseline_loss(config):
-    return (lambda p, x, s: (_loss(baseline.baseline_moe_stack(p, x, config)), s)), jnp.zeros(())
+def baseline_loss(config, expert_fn=None):
+    return (lambda p, x, s: (_loss(baseline.baseline_moe_stack(p, x, config, expert_fn=expert_fn)), s)), jnp.zeros(())
 
 
 # name -> (loss(params, x, state) -> (loss, state), first state): the state is threaded from step to step
@@ -62,8 +65,15 @@ def measure(model: ModelShape, tokens: int, layers: int, params, copy_gbs, dense
             "weight_bytes_per_layer": weight_bytes, **common.roofline(weight_bytes, flops, copy_gbs, dense_tflops)}
     config = model.config(tokens, real_routing=False)
     x = jax.random.normal(jax.random.key(tokens), (tokens, model.hidden_size), ROW_DTYPE)
-    rows = []
-    for name, make_loss in LOSSES.items():
+    rows, losses, failed = [], dict(LOSSES), []
+    for name, expert_fn in jax_peers.layer_peers(model, params, x, config).items():
+        if not isinstance(expert_fn, str):
+            losses[name] = functools.partial(baseline_loss, expert_fn=expert_fn)
+        elif expert_fn.startswith("not run"):
+            notes.append(f"{model.name} T={tokens}: {name} {expert_fn}")
+        else:  # its failed check: reported, not timed
+            failed.append({**base, "impl": name, "error": expert_fn})
+    for name, make_loss in losses.items():
         if name == "baseline" and tokens * model.top_k * model.num_experts > BASELINE_MAX_ROWS_X_EXPERTS:
             notes.append(f"{model.name} T={tokens}: baseline not run (rows x E > {BASELINE_MAX_ROWS_X_EXPERTS})")
             continue
@@ -81,7 +91,7 @@ def measure(model: ModelShape, tokens: int, layers: int, params, copy_gbs, dense
         except Exception as e:
             row["error"] = common.describe_error(e)
         rows.append(row)
-    rows += [{**base, **peer, "impl": PEER}] if peer else []
+    rows += failed + ([{**base, **peer, "impl": PEER}] if peer else [])
     for row in (r for r in rows if r.get("us_per_layer")):
         row["tflops"] = flops / row["us_per_layer"] / 1e6
         row["roofline_pct"] = row.get("roofline_us") and 100 * row["roofline_us"] / row["us_per_layer"]
