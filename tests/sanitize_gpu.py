@@ -203,7 +203,8 @@ for gated, (k, n, shared_k, shared_n) in ((True, (264, 192, 264, 512)), (False, 
     sw = (rng.standard_normal((shared_k, shared_n)) / 16).astype(jax.numpy.bfloat16)
     rows = scratch.permuted[:, :k]
     out, shared_out = jax.jit(lambda r, w, o, t, sw: jax_moe.gemm.decode_forward_with_shared(
-        r, w, o, config.capacity, t, sw, gated=gated, group_rows=2))(
+        r, w, o, config.capacity, t, sw, gated=gated,
+        rows_per_pass=jax_moe.plan.decode_rows_per_pass(config.capacity, 16, 2)))(
         rows, w, scratch.expert_offsets, x[:, :shared_k], sw)
     live = int(scratch.expert_offsets[-1])
     print("decode shared gated", gated, "finite", bool(np.isfinite(np.asarray(out, np.float32)).all()
