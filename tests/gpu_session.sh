@@ -13,7 +13,10 @@ source tests/gpu_build.sh "$OUT"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   stage "gpu tests"
-  python3 -m pytest -q -x -m gpu tests/test_gpu.py tests/test_gemm.py tests/test_backward.py ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  # Every GPU test file, in parallel processes sharing the GPU (mostly XLA compiles: one process
+  # takes over 800 s, past one device call).
+  python3 -m pytest -q -m gpu -n "${GPU_TEST_WORKERS:-4}" -p no:cacheprovider \
+    ${GPU_TEST_ARGS:-} tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 fi
 
 if [ -z "${SKIP_STACK_TESTS:-}" ]; then
