@@ -55,6 +55,15 @@ def test_cuda_plan_of_qwen3_30b(num_tokens, tile, router, permute):
     assert "tile='%s'" % tile in str(got) and hash(got) == hash(dataclasses.replace(got))
 
 
+def test_cuda_plan_normalises_in_the_router_for_bf16_and_fp8_experts_alike():
+    # One rule for both param kinds: at decode a stack's pre-norm rides the router's launch.
+    for quantized in (False, True):
+        config, params = _model("qwen3_30b", 1, quantized=quantized)
+        got = jax_moe.plan_layer(config, 1, params, platform="cuda")
+        assert (got.experts, got.router, got.norm_in_router) == (
+            "fp8_grouped_gemm" if quantized else "grouped_gemm", "kernel", True)
+
+
 def test_cuda_plan_streams_the_shared_expert_in_the_routed_decode_launches():
     config, params = _model("deepseek_v3", 1, shared=True)
     got = jax_moe.plan_layer(config, 1, params, platform="cuda")
