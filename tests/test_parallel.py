@@ -311,6 +311,7 @@ def test_parallel_bench_suite_on_one_device(tmp_path):
             if row["us_per_layer"] > 0:  # CPU noise can make a tiny per-layer difference negative
                 assert row["collective_share_pct"] == pytest.approx(100 * row["collectives_us"] / row["us_per_layer"])
     assert "collectives µs" in parallel_suite.table(rows)
+    assert any(n.startswith("mesh: 1 device(s); lax.ragged_all_to_all: ") for n in notes), notes
 
 
 def _free_port() -> int:
