@@ -167,8 +167,8 @@ def rows_by_route(xs: tuple[jax.Array, ...], dest: jax.Array, src: jax.Array) ->
 
     first = xs[0]
     one_kind = all(x.shape == first.shape and x.dtype == first.dtype for x in xs)
-    if not (_native.HAS_CUDA and one_kind and 1 <= len(xs) <= _native.constants.GATHER_ROWS_MAX_ARRAYS and first.ndim == 2
-            and first.shape[1] * first.dtype.itemsize % 16 == 0):
+    if not (_native.HAS_CUDA and one_kind and 1 <= len(xs) <= _native.constants.GATHER_ROWS_MAX_ARRAYS
+            and first.ndim == 2 and first.shape[1] * first.dtype.itemsize % 16 == 0):
         return fallback(dest, src, *xs)
     return tuple(lax.platform_dependent(dest, src, *xs, cuda=native, default=fallback))
 
