@@ -119,6 +119,18 @@ def test_device_copy_is_neither_hoisted_nor_dropped():
     assert copy_gbs > 0 and dense_tflops > 0 and common.COPY_KIND in notes[0]
 
 
+def test_copy_ceiling_counts_bytes_read_and_written(monkeypatch):
+    # A copy of N bytes moves 2N over the memory bus; counting N halved the rate and doubled byte rooflines.
+    copied = []
+
+    def one_second(fn, operands, **_):
+        copied.append(operands[0].nbytes)
+        return {"s": 1.0}
+    monkeypatch.setattr(common, "loop_seconds", one_second)
+    copy_gbs, _ = common.ceilings(common.Clock(), [], trials=1)
+    assert copy_gbs == 2 * copied[0] / 1e9
+
+
 def test_loop_timing_grows_n2_until_the_call_is_above_the_noise():
     # A CI run once timed a tiny dense GEMM at -2.4 µs (N2 - N1 = 3 calls under a loaded CPU's noise).
     seen = []

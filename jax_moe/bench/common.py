@@ -259,7 +259,8 @@ def ceilings(clock: Clock, notes: list, trials: int = 3) -> tuple[float | None, 
     dot = lambda a, b: (c := jnp.dot(a, b, preferred_element_type=jnp.float32).astype(ROW_DTYPE), (a, c))  # noqa: E731
     a = (jax.random.normal(jax.random.key(0), (n, n)) / n ** 0.5).astype(ROW_DTYPE)  # products stay near 1
     buffer, rates = jnp.ones((copy_bytes // 2,), ROW_DTYPE), []
-    for what, fn, operands, work, unit in (("copy", copy, (buffer,), copy_bytes / 1e9, f"GB/s, {COPY_KIND}"),
+    # A copy of copy_bytes reads and writes them: 2 * copy_bytes moved.
+    for what, fn, operands, work, unit in (("copy", copy, (buffer,), 2 * copy_bytes / 1e9, f"GB/s, {COPY_KIND}"),
                                            ("dense", dot, (a, a), 2 * n ** 3 / 1e12, f"TFLOP/s, jnp.dot of {n}^3")):
         try:
             rates.append(work / min(loop_seconds(fn, operands)["s"] for _ in range(trials)))
