@@ -13,10 +13,13 @@ source tests/gpu_build.sh "$OUT"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   stage "gpu tests"
-  # Every GPU test file, in parallel processes sharing the GPU (mostly XLA compiles: one process
-  # ran 273 of the 420 in 520 s on an H100, so all of them would not fit one device call).
-  python3 -m pytest -q -m gpu -n "${GPU_TEST_WORKERS:-4}" -p no:cacheprovider \
+  # Every GPU test file, in parallel processes sharing the GPU (mostly XLA compiles: one process ran 273
+  # of the 420 in 520 s on an H100); then the whole_gpu tests (tests/conftest.py) alone in one process:
+  # beside other workers they run out of the card's memory.
+  python3 -m pytest -q -m "gpu and not whole_gpu" -n "${GPU_TEST_WORKERS:-4}" -p no:cacheprovider \
     ${GPU_TEST_ARGS:-} tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  python3 -m pytest -q -m "gpu and whole_gpu" -p no:cacheprovider ${GPU_TEST_ARGS:-} tests 2>&1 \
+    | tee "$OUT/gpu_tests_whole_gpu.log" | tail -8
 fi
 
 if [ -z "${SKIP_STACK_TESTS:-}" ]; then
