@@ -45,7 +45,7 @@ def _ragged_dot_math(monkeypatch, transposed=None):
 def test_gpu_only_peers_are_skipped_with_a_reason():
     peers = jax_peers.peers(TINY.num_experts)
     assert peers["ragged_dot"] is jax_peers.ragged_dot
-    for name in ("tokamax/mosaic_gpu", "tokamax/triton", "pallas_mgpu"):
+    for name in ("tokamax/mosaic_gpu", "tokamax/triton", "pallas_mgpu", "transformer_engine"):
         assert isinstance(peers[name], str) and peers[name].startswith("not run: "), (name, peers[name])
     assert "triton >= 3.8" in peers["tokamax/triton"] or "does not import" in peers["tokamax/triton"]
     assert set(jax_peers.layer_peers(TINY)) == {f"baseline/{name}" for name in jax_peers.LAYER_PEERS}
@@ -115,7 +115,7 @@ def test_gemm_suite_times_the_block_of_jax_moe_and_each_peer_that_runs():
     if not on_gpu:
         skipped = {name for name in jax_peers.peers(TINY.num_experts)
                    if any(f"block {name} not run" in n for n in notes)}
-        assert skipped == {"tokamax/mosaic_gpu", "tokamax/triton", "pallas_mgpu"}, notes
+        assert skipped == {"tokamax/mosaic_gpu", "tokamax/triton", "pallas_mgpu", "transformer_engine"}, notes
     table = gemm_suite.table(rows)
     assert "SwiGLU expert block" in table and "| tiny | 32 | forward+backward |" in table
     assert "ragged_dot / jax_moe" in table

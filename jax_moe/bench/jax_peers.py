@@ -120,15 +120,13 @@ def peers(num_experts: int) -> dict:
         out["tokamax/mosaic_gpu"] = out["tokamax/triton"] = why
     else:
         out["tokamax/mosaic_gpu"] = tokamax_dot("mosaic_gpu") if gpu else "not run: needs an NVIDIA GPU"
-        try:
-            triton = importlib.metadata.version("triton")
-        except importlib.metadata.PackageNotFoundError:
-            triton = "absent"
+        triton = next((d.version for d in importlib.metadata.distributions(name="triton")), "absent")
         out["tokamax/triton"] = (tokamax_dot("triton") if gpu and "triton" in implementations else
                                  f"not run: tokamax's Triton ragged_dot needs jax_triton and triton >= 3.8 (triton "
                                  f"{triton} here)" + ("" if gpu else " and an NVIDIA GPU"))
     out["pallas_mgpu"] = (mgpu_dot if gpu and num_experts <= MGPU_MAX_EXPERTS else
                           "not run: needs an NVIDIA GPU" if not gpu else f"not run: E > {MGPU_MAX_EXPERTS}")
+    out["transformer_engine"] = "not run: not among the peers here (a 276 MB core wheel, a JAX extension to compile)"
     return out
 
 
