@@ -40,4 +40,6 @@ if [ -n "${BENCH_ARGS:-}" ]; then
   stage bench
   python3 -m jax_moe.bench $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
+# The device returns at most 8 files from $OUT: everything also goes back as one tarball.
+tar czf "$OUT/gpu_session.tgz" -C "$OUT" --exclude='*.tgz' . 2>/dev/null
 stage done
