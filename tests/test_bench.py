@@ -186,6 +186,10 @@ def test_train_suite_runs_jax_moe_and_baseline_steps():
         assert row["step_us"] > 0 and _close(row["us_per_layer"], row["step_us"] / TINY.train_layers)
         assert _close(row["tflops"], row["flops_per_layer"] / row["us_per_layer"] / 1e6)
         assert row["flops_per_layer"] == 3 * 2 * 8 * TINY.top_k * TINY.hidden_size * 3 * TINY.ffn_size
+        # The routed experts' weights read twice, every expert's gradient written (zero without rows).
+        active = TINY.num_experts * (1 - (1 - TINY.top_k / TINY.num_experts) ** 8)
+        expert_bytes = 3 * TINY.hidden_size * TINY.ffn_size * 2
+        assert _close(row["weight_bytes_per_layer"], (2 * active + TINY.num_experts) * expert_bytes)
         assert row["peak_bytes"] > 0 and _close(row["roofline_pct"], 100 * row["roofline_us"] / row["us_per_layer"])
     assert any("peer: not run" in n for n in notes) and any(n.startswith("copy ceiling") for n in notes)
     line = f"| tiny | 8 | {TINY.train_layers} | {common.fmt_us(by['jax_moe']['us_per_layer'])} |"

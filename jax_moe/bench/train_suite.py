@@ -8,8 +8,9 @@ on each JAX peer's grouped GEMM (``jax_peers.LAYER_PEERS``: ``baseline/<peer>``,
 The PyTorch + Hugging Face peer (``torch_peer.py``: transformers blocks on torch's grouped_mm, eager
 backward, CUDA events) runs in its own process before JAX takes any of the card. Every model routes like
 that peer (softmax top-k, renormalised, no shared expert), so all sides do the same work. TFLOP/s = 3 x
-the forward's expert GEMM FLOPs / time; roofline = the longer of those FLOPs / the dense rate and (weights
-read twice + gradients written) / the copy rate, both measured in the run; peak bytes from XLA's memory
+the forward's expert GEMM FLOPs / time; roofline = the longer of those FLOPs / the dense rate and (the
+routed experts' weights read twice + every expert's gradient written, zero where it has no rows) / the copy
+rate, both measured in the run; peak bytes from XLA's memory
 analysis (arguments + outputs + temporaries - aliased) and torch.cuda.max_memory_allocated.
 """
 
@@ -59,7 +60,7 @@ LOSSES = {"jax_moe": jax_moe_loss, "baseline": baseline_loss}
 def measure(model: ModelShape, tokens: int, layers: int, params, copy_gbs, dense_tflops, peer, notes) -> list[dict]:
     flops = 3 * 2 * tokens * model.top_k * model.hidden_size * 3 * model.ffn_size
     active = model.num_experts * (1 - (1 - model.top_k / model.num_experts) ** tokens)
-    weight_bytes = 3 * active * 3 * model.hidden_size * model.ffn_size * 2  # read twice, gradient written
+    weight_bytes = (2 * active + model.num_experts) * 3 * model.hidden_size * model.ffn_size * 2  # dense gradient
     base = {"model": model.name, "label": model.label, "E": model.num_experts, "k": model.top_k,
             "H": model.hidden_size, "F": model.ffn_size, "layers": layers, "T": tokens, "flops_per_layer": flops,
             "weight_bytes_per_layer": weight_bytes, **common.roofline(weight_bytes, flops, copy_gbs, dense_tflops)}
