@@ -112,6 +112,10 @@ def test_gemm_suite_times_the_block_of_jax_moe_and_each_peer_that_runs():
         assert row["flops"] == (3 if row["pass"] == "forward+backward" else 1) * 2 * 32 * 2 * 64 * 3 * 32
         assert row["tflops"] == pytest.approx(row["flops"] / row["us"] / 1e6)
         assert row["roofline_pct"] == pytest.approx(100 * row["roofline_us"] / row["us"])
+    # The backward reads the routed experts' weights again and writes every expert's gradient (1 GB/s here).
+    expert_us = 3 * TINY.hidden_size * TINY.ffn_size * 2 / 1e3
+    forward, training = by[("jax_moe", "forward")], by[("jax_moe", "forward+backward")]
+    assert training["byte_roofline_us"] == pytest.approx(2 * forward["byte_roofline_us"] + TINY.num_experts * expert_us)
     if not on_gpu:
         skipped = {name for name in jax_peers.peers(TINY.num_experts)
                    if any(f"block {name} not run" in n for n in notes)}

@@ -200,7 +200,8 @@ def measure_block(model, tokens: int, clock, notes, copy_gbs, dense_tflops) -> l
     rows, sizes, _ = jax.jit(baseline.argsort_permute, static_argnums=2)(x, ids, num_experts)
     scratch = jax.jit(jax_moe.permute)(x, ids, jax_moe.init_scratch(config))
     layer = {"router": jnp.zeros((hidden, num_experts), ROW_DTYPE), "gate_up": gate_up, "down": down}
-    flops, weight_bytes = 2 * tokens * model.top_k * hidden * 3 * width, int((sizes > 0).sum()) * 3 * hidden * width * 2
+    flops, read = 2 * tokens * model.top_k * hidden * 3 * width, int((sizes > 0).sum()) * 3 * hidden * width * 2
+    weight_bytes = {1: read, 3: 2 * read + num_experts * 3 * hidden * width * 2}  # + every expert's gradient
     results = []
     for name, dot in {"jax_moe": None, **peers(num_experts)}.items():
         if isinstance(dot, str):
@@ -215,7 +216,7 @@ def measure_block(model, tokens: int, clock, notes, copy_gbs, dense_tflops) -> l
                 continue
             row = {"model": model.name, "T": tokens, "rows": tokens * model.top_k, "impl": name, "pass": passes,
                    "flops": scale * flops,
-                   **common.roofline(scale * weight_bytes, scale * flops, copy_gbs, dense_tflops)}
+                   **common.roofline(weight_bytes[scale], scale * flops, copy_gbs, dense_tflops)}
             try:
                 if failure:
                     raise RuntimeError(failure)
