@@ -2,6 +2,9 @@
 with a reason, the Pallas peer's hand-written backward is right (its kernels replaced by ragged_dot's
 math), the check catches a wrong gradient, and the layer-level peer is the baseline's layer."""
 
+import importlib.util
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -135,8 +138,6 @@ def test_train_suite_notes_why_each_layer_peer_did_not_run():
 
 def test_xprof_stand_in_can_be_looked_up_again(monkeypatch):
     # On the H100 the stand-in's second lookup raised "xprof.__spec__ is None" and no tokamax row ran.
-    import importlib.util
-    import sys
     for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     if importlib.util.find_spec("xprof") is not None:

@@ -46,8 +46,7 @@ RAGGED_DOT_MAX_ROWS_X_EXPERTS = {"forward": 16384 * 256, "forward+backward": 102
 
 
 def _stand_in_for_xprof():
-    """tokamax imports xprof (a 32 MB wheel) only for its own benchmarking: empty modules where it is missing,
-    each with a spec (find_spec raises on a module in sys.modules without one)."""
+    """tokamax imports xprof (32 MB) only to benchmark itself: empty modules, with specs, where it is missing."""
     if "xprof" in sys.modules or importlib.util.find_spec("xprof") is not None:
         return
     for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
@@ -200,8 +199,9 @@ def measure_block(model, tokens: int, clock, notes, copy_gbs, dense_tflops) -> l
     rows, sizes, _ = jax.jit(baseline.argsort_permute, static_argnums=2)(x, ids, num_experts)
     scratch = jax.jit(jax_moe.permute)(x, ids, jax_moe.init_scratch(config))
     layer = {"router": jnp.zeros((hidden, num_experts), ROW_DTYPE), "gate_up": gate_up, "down": down}
-    flops, read = 2 * tokens * model.top_k * hidden * 3 * width, int((sizes > 0).sum()) * 3 * hidden * width * 2
-    weight_bytes = {1: read, 3: 2 * read + num_experts * 3 * hidden * width * 2}  # + every expert's gradient
+    flops, expert_bytes = 2 * tokens * model.top_k * hidden * 3 * width, 3 * hidden * width * 2
+    read = int((sizes > 0).sum()) * expert_bytes  # the backward reads them again, writes every expert's gradient
+    weight_bytes = {"forward": read, "forward+backward": 2 * read + num_experts * expert_bytes}
     results = []
     for name, dot in {"jax_moe": None, **peers(num_experts)}.items():
         if isinstance(dot, str):
@@ -216,7 +216,7 @@ def measure_block(model, tokens: int, clock, notes, copy_gbs, dense_tflops) -> l
                 continue
             row = {"model": model.name, "T": tokens, "rows": tokens * model.top_k, "impl": name, "pass": passes,
                    "flops": scale * flops,
-                   **common.roofline(weight_bytes[scale], scale * flops, copy_gbs, dense_tflops)}
+                   **common.roofline(weight_bytes[passes], scale * flops, copy_gbs, dense_tflops)}
             try:
                 if failure:
                     raise RuntimeError(failure)
