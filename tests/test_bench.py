@@ -246,7 +246,9 @@ def test_decode_variants_switch_off_one_choice_each_on_a_gpu_plan():
 def test_decode_suite_measures_a_model_in_a_process_of_its_own():
     """The rows of a child process describe the same routing and bytes as this process's; a peer's rows
     pass through; a failing child raises."""
-    here = decode_suite.measure_model(TINY, (2,), layers=2)
+    saved = []
+    here = decode_suite.measure_model(TINY, (2,), layers=2, on_rows=saved.append)
+    assert saved and saved[-1] == here  # what a stopped child would have left is every row
     child = common.in_child("jax_moe.bench.decode_suite:measure_model", 300, model="tiny", token_counts=[2],
                             peer=[{"T": 2, "us_per_layer": 123.0}], layers=2)
     by_impl = {r["impl"]: r for r in child}
@@ -258,6 +260,20 @@ def test_decode_suite_measures_a_model_in_a_process_of_its_own():
             assert got[key] == row[key], (key, got[key], row[key])
     with pytest.raises(RuntimeError, match="status 3"):
         common.run_child(["-c", "import sys; sys.exit(3)"], 60)
+
+
+def test_rows_a_child_saved_survive_its_timeout():
+    """A child stopped at its timeout leaves the rows it saved: measure_isolated keeps them and notes why."""
+    script = ("import sys, time; from jax_moe.bench import common; common.save_json(sys.argv[1], [{'T': 1}]); "
+              "time.sleep(120)")
+    rows, notes, saved = [], [], []
+    common.measure_isolated(rows, notes, common.Clock(), "decode tiny: failed",
+                            lambda: common.run_child(["-c", script], 20), lambda r, n: saved.append(list(r)))
+    assert rows == [{"T": 1}] and saved == [rows]
+    assert notes == ["decode tiny: failed: RuntimeError: its process ran past 20 s (rows it had measured, kept: 1)"]
+    with pytest.raises(RuntimeError) as failed:
+        common.run_child(["-c", "import sys; sys.exit(3)"], 60)
+    assert failed.value.partial is None
 
 
 def test_stacks_fit_the_card_and_a_suite_and_its_peer_use_one_count():

@@ -83,11 +83,15 @@ def describe_error(e: Exception) -> str:
 def measure_isolated(rows: list, notes: list, clock: Clock, failure: str, measure: Callable[[], list],
                      on_rows: Callable[[list, list], Any] | None = None) -> None:
     """``rows.extend(measure())``, or the note ``failure: <error>`` (out of memory...) so that the other
-    shapes still run; then ``on_rows(rows, notes)`` saves what there is."""
+    shapes still run, keeping the rows a stopped child process had measured; then ``on_rows(rows, notes)``
+    saves what there is."""
     try:
         rows.extend(measure())
     except Exception as e:
-        notes.append(f"{failure}: {describe_error(e)}")
+        kept = getattr(e, "partial", None) or []
+        rows.extend(kept)
+        notes.append(f"{failure}: {describe_error(e)}" + (f" (rows it had measured, kept: {len(kept)})"
+                                                          if kept else ""))
         clock.log(notes[-1])
     if on_rows:
         on_rows(rows, notes)
@@ -309,24 +313,38 @@ def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int, *, fp8
 
 
 def run_child(args: list[str], timeout_s: float | None, env: dict | None = None):
-    """``python ARGS OUT`` in a process of its own, which writes one JSON value to the file OUT; its log
-    goes to this process's output. Raises RuntimeError when it times out or writes nothing."""
+    """``python ARGS OUT`` in a process of its own, which writes one JSON value to the file OUT (rewritten
+    whole as it goes, by ``save_json``); its log goes to this process's output. Raises RuntimeError, its
+    ``partial`` what OUT last held, when it times out or exits without success."""
     with tempfile.TemporaryDirectory() as folder:
         out = pathlib.Path(folder, "out.json")
         try:
             done = subprocess.run([sys.executable, *args, str(out)], timeout=timeout_s, env=env)
+            failure = None if done.returncode == 0 and out.is_file() else (
+                f"its process exited with status {done.returncode} (its log is above)")
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"its process ran past {timeout_s:.0f} s") from None
-        if done.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"its process exited with status {done.returncode} (its log is above)")
-        return json.loads(out.read_text())
+            failure = f"its process ran past {timeout_s:.0f} s"
+        value = json.loads(out.read_text()) if out.is_file() else None
+        if failure:
+            error = RuntimeError(failure)
+            error.partial = value
+            raise error
+        return value
+
+
+def save_json(path, value) -> None:
+    """``value`` to ``path`` whole or not at all: a process stopped mid-write leaves the previous one."""
+    pathlib.Path(f"{path}.part").write_text(json.dumps(value, default=float))
+    os.replace(f"{path}.part", path)
 
 
 def in_child(function: str, timeout_s: float | None, **kwargs):
-    """``module:function(**kwargs)`` (JSON in and out) in a process of its own, whose device memory goes
-    back to the card when it exits: Qwen3.5-397B ran out of memory as the fourth model of one process."""
-    code = ("import importlib, json, sys; module, name = sys.argv[1].split(':'); json.dump(getattr("
-            "importlib.import_module(module), name)(**json.loads(sys.argv[2])), open(sys.argv[3], 'w'))")
+    """``module:function(**kwargs, on_rows=save)`` (JSON in and out) in a process of its own, whose device
+    memory goes back to the card when it exits (Qwen3.5-397B ran out of memory as the fourth model of one
+    process); ``save`` writes the rows so far, which survive a timeout."""
+    code = ("import importlib, json, sys; from jax_moe.bench.common import save_json; (module, name), out = "
+            "sys.argv[1].split(':'), sys.argv[3]; save_json(out, getattr(importlib.import_module(module), name)("
+            "**json.loads(sys.argv[2]), on_rows=lambda rows: save_json(out, rows)))")
     return run_child(["-c", code, function, json.dumps(kwargs)], timeout_s)
 
 

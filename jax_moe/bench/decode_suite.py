@@ -64,8 +64,10 @@ def layer_flops(model: ModelShape, tokens: int) -> float:
     return routed + 2 * tokens * model.hidden_size * (3 * (model.shared_ffn or 0) + model.num_experts)
 
 
-def _time_variants(variants, params, inputs, layers, bases, dense_tflops, copy_gbs, clock, peers_of=None) -> list[dict]:
-    """Each variant's row per T, and with ``peers_of`` (the model) each JAX peer's layer (``jax_peers``)."""
+def _time_variants(variants, params, inputs, layers, bases, dense_tflops, copy_gbs, clock, peers_of=None,
+                   on_rows=None) -> list[dict]:
+    """Each variant's row per T, and with ``peers_of`` (the model) each JAX peer's layer (``jax_peers``);
+    ``on_rows(rows)`` after each T."""
     rows = []
     for tokens, (config, x) in inputs.items():
         base = {**bases[tokens], "bytes_per_layer": layer_bytes(params, bases[tokens]["active_experts"])}
@@ -73,7 +75,7 @@ def _time_variants(variants, params, inputs, layers, bases, dense_tflops, copy_g
         steps = {name: ((lambda state, p, x, plan=plan: jax_moe.moe_stack(p, x, state[1], plan=plan)),
                         {"plan": str(plan), "tile": plan.tile})
                  for name, plan in variant_plans(variants, config, tokens, params).items()}
-        for name, fn in (jax_peers.layer_peers(peers_of, params, x, config) if peers_of else {}).items():
+        for name, fn in (jax_peers.layer_peers(peers_of, params, x, config, "forward") if peers_of else {}).items():
             if not isinstance(fn, str):  # the scratch passes through the pure-JAX stack untouched
                 fn = lambda state, p, x, fn=fn, config=config: (baseline.baseline_moe_stack(p, x, config, expert_fn=fn),
                                                                 state[1])
@@ -93,12 +95,15 @@ def _time_variants(variants, params, inputs, layers, bases, dense_tflops, copy_g
             rows.append(row)
         clock.log(f"decode {base['model']} T={tokens}: " + ", ".join(
             f"{r['impl']} {common.outcome(r)}" for r in rows if r["T"] == tokens))
+        if on_rows:
+            on_rows(rows)
     return rows
 
 
 def measure_model(model: ModelShape | str, token_counts, copy_gbs=None, dense_tflops=None, peer: list | None = None,
-                  layers: int | None = None) -> list[dict]:
-    """Every variant's rows and the peer's (its rows, with T); layers: L (None: what fits the card)."""
+                  layers: int | None = None, on_rows=None) -> list[dict]:
+    """Every variant's rows and the peer's (its rows, with T); layers: L (None: what fits the card);
+    ``on_rows(rows)`` with the rows so far after each T (in a child process: they survive its timeout)."""
     model, clock = MODEL_SHAPES[model] if isinstance(model, str) else model, common.Clock()
     layers, key = layers or model.layers_that_fit(common.card_bytes()), jax.random.key(0)
     stack_args = (key, model.config(max(token_counts)), layers, model.ffn_size)
@@ -111,16 +116,19 @@ def measure_model(model: ModelShape | str, token_counts, copy_gbs=None, dense_tf
                       "layers": layers, "flops_per_layer": layer_flops(model, tokens), "active_experts": float(
                           (np.asarray(count(params, x, jax_moe.init_scratch(config))) > 0).sum(-1).mean())}
              for tokens, (config, x) in inputs.items()}
-    rows = _time_variants(VARIANTS, params, inputs, layers, bases, dense_tflops, copy_gbs, clock, peers_of=model)
-    rows += [{**bases[r["T"]], "impl": PEER, **{k: r[k] for k in ("us_per_layer", "error") if k in r}}
-             for r in peer or () if r.get("T") in bases]
+    peer_rows = [{**bases[r["T"]], "impl": PEER, **{k: r[k] for k in ("us_per_layer", "error") if k in r}}
+                 for r in peer or () if r.get("T") in bases]
+    rows = []
+    save = on_rows and (lambda measured: on_rows(rows + measured + peer_rows))
+    rows += _time_variants(VARIANTS, params, inputs, layers, bases, dense_tflops, copy_gbs, clock, peers_of=model,
+                           on_rows=save)
     del params
     if model.hidden_size % fp8.BLOCK == 0 and model.ffn_size % fp8.BLOCK == 0:
         # The same draws quantised (so the same routing), built once the bf16 stack is freed.
         params = common.init_stack_params(*stack_args, fp8=True, **model.param_options())
         rows += _time_variants(FP8_VARIANTS, params, inputs, layers, bases, dense_tflops and 2 * dense_tflops,
-                               copy_gbs, clock)  # FP8 tensor cores run at twice the bf16 rate
-    return rows
+                               copy_gbs, clock, on_rows=save)  # FP8 tensor cores run at twice the bf16 rate
+    return rows + peer_rows
 
 
 def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1, *, on_rows=None, time_limit_s=None,

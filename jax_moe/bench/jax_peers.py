@@ -40,6 +40,7 @@ ROUTING_SKEW = 1.0  # std of each expert's popularity added to the tokens' N(0, 
 CHECK_TOLERANCE = 2e-2  # max |peer - reference| / max |reference|, each of out, d rows, d gate/up, d down
 CHECK_BYTES = 1 << 30  # ragged_dot's weight gradient is a dense [rows, E, N] float32: the check's token cap
 CHECK_WEIGHT_BYTES = 4 << 30  # the float32 gate/up gradient the check compares: its expert cap (DeepSeek-V3: 36)
+CHECK_TOKEN_BLOCK = 64  # a cut check keeps whole blocks of tokens: tokamax's sm90 kernels take rows < 64 or k * 64
 # rows x E past which the ragged_dot block is not timed: forward (seconds a call), forward+backward (its dense
 # weight gradient, as train_suite.BASELINE_MAX_ROWS_X_EXPERTS).
 RAGGED_DOT_MAX_ROWS_X_EXPERTS = {"forward": 16384 * 256, "forward+backward": 1024 * 8 * 128}
@@ -150,15 +151,19 @@ def uneven_ids(key, tokens: int, num_experts: int, top_k: int) -> jax.Array:
     return lax.top_k(scores, top_k)[1]
 
 
-def check(dot, x, ids, gate_up, down) -> str | None:
-    """None where the SwiGLU block on ``dot`` (out, and the rows' and both weights' gradients for a random
-    cotangent) agrees with float32-accumulating ragged_dot's within CHECK_TOLERANCE; else what differs. On
-    the first tokens of ``x`` (ids [T, k]) whose reference gradient fits CHECK_BYTES, routed onto the first
-    experts whose float32 weight gradients fit CHECK_WEIGHT_BYTES (ids modulo their count)."""
+def check(dot, x, ids, gate_up, down) -> dict[str, str | None]:
+    """Per pass, None where the SwiGLU block on ``dot`` agrees with float32-accumulating ragged_dot's within
+    CHECK_TOLERANCE, else what differs: the forward by its out, forward+backward also by the rows' and both
+    weights' gradients for a random cotangent (a wrong weight gradient does not void a forward's row). On
+    the first tokens of ``x`` (ids [T, k]) whose reference gradient fits CHECK_BYTES (whole CHECK_TOKEN_BLOCKs
+    where cut), routed onto the first experts whose float32 weight gradients fit CHECK_WEIGHT_BYTES (ids modulo
+    their count)."""
     _, hidden, width = gate_up.shape
     num_experts = max(1, min(gate_up.shape[0], CHECK_WEIGHT_BYTES // (4 * hidden * width)))
     gate_up, down, ids = gate_up[:num_experts], down[:num_experts], ids % num_experts
     tokens = max(1, min(x.shape[0], CHECK_BYTES // (4 * ids.shape[1] * num_experts * max(hidden, width))))
+    if CHECK_TOKEN_BLOCK <= tokens < x.shape[0]:
+        tokens -= tokens % CHECK_TOKEN_BLOCK
     rows, sizes, _ = baseline.argsort_permute(x[:tokens], ids[:tokens], num_experts)
     cotangent = jax.random.normal(jax.random.key(1), rows.shape, rows.dtype)
 
@@ -172,8 +177,11 @@ def check(dot, x, ids, gate_up, down) -> str | None:
     relative = jax.jit(lambda g, w: jnp.max(jnp.abs(g.astype(jnp.float32) - w))
                         / jnp.maximum(jnp.max(jnp.abs(w)), jnp.finfo(jnp.float32).tiny))  # fused: no f32 copy
     errors = {name: float(relative(g, w)) for name, g, w in zip(("out", "d rows", "d gate_up", "d down"), got, want)}
-    bad = [f"{name} {error:.3g}" for name, error in errors.items() if not error <= CHECK_TOLERANCE]
-    return f"check failed on {tokens} tokens (relative error > {CHECK_TOLERANCE}): {', '.join(bad)}" if bad else None
+
+    def verdict(names):
+        bad = [f"{name} {errors[name]:.3g}" for name in names if not errors[name] <= CHECK_TOLERANCE]
+        return f"check failed on {tokens} tokens (relative error > {CHECK_TOLERANCE}): {', '.join(bad)}" if bad else None
+    return {"forward": verdict(["out"]), "forward+backward": verdict(errors)}
 
 
 def _step(experts_fn, training: bool):
@@ -208,7 +216,7 @@ def measure_block(model, tokens: int, clock, notes, copy_gbs, dense_tflops) -> l
             notes.append(f"{model.name} T={tokens}: block {name} {dot}")
             clock.log(notes[-1])
             continue
-        failure = None if dot is None else _checked(dot, x, ids, gate_up, down)
+        checked = {} if dot is None else _checked(dot, x, ids, gate_up, down)
         for passes, scale in (("forward", 1), ("forward+backward", 3)):  # backward: twice the forward's FLOPs
             if name == "ragged_dot" and tokens * model.top_k * num_experts > RAGGED_DOT_MAX_ROWS_X_EXPERTS[passes]:
                 notes.append(f"{model.name} T={tokens}: block ragged_dot {passes} not run (rows x E > "
@@ -218,8 +226,8 @@ def measure_block(model, tokens: int, clock, notes, copy_gbs, dense_tflops) -> l
                    "flops": scale * flops,
                    **common.roofline(weight_bytes[passes], scale * flops, copy_gbs, dense_tflops)}
             try:
-                if failure:
-                    raise RuntimeError(failure)
+                if checked.get(passes):
+                    raise RuntimeError(checked[passes])
                 if dot is None:
                     block = jax_moe_block(jax_moe.plan_layer(config, tokens, layer, training=scale > 1), layer, x)
                     operands = (scratch.permuted, gate_up, down, scratch)
@@ -233,7 +241,7 @@ def measure_block(model, tokens: int, clock, notes, copy_gbs, dense_tflops) -> l
                 row.update(tflops=row["flops"] / row["us"] / 1e6)
                 row["roofline_pct"] = row.get("roofline_us") and 100 * row["roofline_us"] / row["us"]
             except Exception as e:  # recorded (a failed check, out of memory...); the other peers still run
-                row["error"] = failure or common.describe_error(e)
+                row["error"] = checked.get(passes) or common.describe_error(e)
             clock.log(f"gemm block {model.name} T={tokens} {name} {passes}: {common.outcome(row, 'us')}")
             results.append(row)
     return results
@@ -248,16 +256,16 @@ def jax_moe_block(plan, layer: dict, x):
     return block
 
 
-def _checked(dot, x, ids, gate_up, down) -> str | None:
+def _checked(dot, x, ids, gate_up, down) -> dict[str, str | None]:
     try:
         return check(dot, x, ids, gate_up, down)
     except Exception as e:
-        return f"check failed: {common.describe_error(e)}"
+        return dict.fromkeys(("forward", "forward+backward"), f"check failed: {common.describe_error(e)}")
 
 
-def layer_peers(model, params=None, x=None, config=None) -> dict:
+def layer_peers(model, params=None, x=None, config=None, passes: str = "forward+backward") -> dict:
     """name -> ``expert_fn`` for each of LAYER_PEERS, or why it does not run here (``not run: ...``) or
-    its failed ``check`` on the first layer's experts and routing of ``x`` [T, H] (with params)."""
+    its failed ``check`` of ``passes`` on the first layer's experts and routing of ``x`` [T, H] (with params)."""
     out, available = {}, peers(model.num_experts)
     for name in LAYER_PEERS:
         dot = available[name]
@@ -265,7 +273,8 @@ def layer_peers(model, params=None, x=None, config=None) -> dict:
             bias = params.get("router_bias")
             ids = jax.jit(lambda p, b, x: routing.route(p["router"][0], x, config, b)[1])(
                 params, None if bias is None else bias[0], x)
-            dot = _checked(dot, x, ids, params["gate_up"][0].astype(x.dtype), params["down"][0].astype(x.dtype)) or dot
+            dot = _checked(dot, x, ids, params["gate_up"][0].astype(x.dtype),
+                           params["down"][0].astype(x.dtype))[passes] or dot
         out[f"baseline/{name}"] = dot if isinstance(dot, str) else swiglu_on(dot)
     return out
 
