@@ -15,6 +15,7 @@ from jax_moe.bench import common, gemm_suite, jax_peers, train_suite
 from jax_moe.bench.models import MODELS, ROW_DTYPE
 
 TINY = MODELS["tiny"]
+PASSED = {"forward": None, "forward+backward": None}  # check's verdicts where every output agrees
 on_gpu = jax.default_backend() == "gpu"
 
 
@@ -27,6 +28,16 @@ def _operands(tokens=24, model=TINY):
     down = (jax.random.normal(jax.random.key(2), (model.num_experts, model.ffn_size, model.hidden_size)) / 6
             ).astype(ROW_DTYPE)
     return x, ids, gate_up, down
+
+
+def _recording_dot(what):
+    """``(seen, dot)``: ragged_dot, appending ``what(rows, weights)`` of each call to ``seen``."""
+    seen = []
+
+    def dot(rows, weights, sizes):
+        seen.append(what(rows, weights))
+        return jax_peers.ragged_dot(rows, weights, sizes)
+    return seen, dot
 
 
 def _ragged_dot_math(monkeypatch, transposed=None):
@@ -56,7 +67,7 @@ def test_gpu_only_peers_are_skipped_with_a_reason():
 
 def test_the_pallas_backward_is_the_gradient(monkeypatch):
     _ragged_dot_math(monkeypatch)
-    assert jax_peers.check(jax_peers.mgpu_dot, *_operands()) == {"forward": None, "forward+backward": None}
+    assert jax_peers.check(jax_peers.mgpu_dot, *_operands()) == PASSED
 
 
 def test_the_check_reports_a_wrong_gradient(monkeypatch):
@@ -74,12 +85,8 @@ def test_the_check_fits_large_models_onto_a_subset_of_experts(monkeypatch):
     x, ids, gate_up, down = _operands()
     per_expert = 4 * gate_up.shape[1] * gate_up.shape[2]
     monkeypatch.setattr(jax_peers, "CHECK_WEIGHT_BYTES", 3 * per_expert)
-    seen = []
-
-    def dot(rows, weights, sizes):
-        seen.append(weights.shape[0])
-        return jax_peers.ragged_dot(rows, weights, sizes)
-    assert jax_peers.check(dot, x, ids, gate_up, down) == {"forward": None, "forward+backward": None}
+    seen, dot = _recording_dot(lambda rows, weights: weights.shape[0])
+    assert jax_peers.check(dot, x, ids, gate_up, down) == PASSED
     assert set(seen) == {3}
     wrong = lambda rows, weights, sizes: jax_peers.ragged_dot(rows, weights[::-1], sizes)  # noqa: E731
     assert "out" in jax_peers.check(wrong, x, ids, gate_up, down)["forward"]
@@ -90,12 +97,8 @@ def test_a_cut_check_keeps_whole_blocks_of_tokens(monkeypatch):
     x, ids, gate_up, down = _operands(tokens=150)
     row_bytes = 4 * ids.shape[1] * gate_up.shape[0] * max(gate_up.shape[1], gate_up.shape[2])
     monkeypatch.setattr(jax_peers, "CHECK_BYTES", 130 * row_bytes)
-    seen = []
-
-    def dot(rows, weights, sizes):
-        seen.append(rows.shape[0])
-        return jax_peers.ragged_dot(rows, weights, sizes)
-    assert jax_peers.check(dot, x, ids, gate_up, down) == {"forward": None, "forward+backward": None}
+    seen, dot = _recording_dot(lambda rows, weights: rows.shape[0])
+    assert jax_peers.check(dot, x, ids, gate_up, down) == PASSED
     assert set(seen) == {128 * ids.shape[1]}
 
 
@@ -117,7 +120,7 @@ def test_the_layer_peer_is_the_baseline_layer_forward_and_backward(monkeypatch):
 
 def test_tokamax_xla_path_passes_the_check():
     pytest.importorskip("tokamax")
-    assert jax_peers.check(jax_peers.tokamax_dot("xla"), *_operands()) == {"forward": None, "forward+backward": None}
+    assert jax_peers.check(jax_peers.tokamax_dot("xla"), *_operands()) == PASSED
 
 
 def test_gemm_suite_times_the_block_of_jax_moe_and_each_peer_that_runs():
