@@ -168,8 +168,11 @@ def test_timing_loop_keeps_every_output():
 
 def test_gemm_suite_measures_each_implementation():
     # 64 tokens, not fewer: an op of a few µs can drown in a loaded CPU's noise.
-    rows = {r["impl"]: r for r in gemm_suite.measure(TINY, 64, common.Clock(), [], copy_gbs=1.0)}
-    assert {"jax_moe", "ragged_dot", "dense", "ragged_dot_mgpu"} <= set(rows), rows  # Pallas Mosaic GPU fails on CPU
+    notes = []
+    rows = {r["impl"]: r for r in gemm_suite.measure(TINY, 64, common.Clock(), notes, copy_gbs=1.0)}
+    assert {"jax_moe", "ragged_dot", "dense"} <= set(rows), rows
+    if jax.default_backend() != "gpu":  # the GPU-only peers say why they did not run
+        assert any(n.startswith("tiny T=64: pallas_mgpu not run") for n in notes), notes
     for row in (r for r in rows.values() if "error" not in r):
         assert row["us"] > 0 and _close(row["tflops"], row["flops"] / row["us"] / 1e6)
         assert row["flops"] == 2 * 64 * TINY.top_k * TINY.hidden_size * 2 * TINY.ffn_size

@@ -2,18 +2,16 @@
 
 Per model and T: the fused gate/up projection of one layer, [T*k, H] x [El, H, 2F] (bf16 in and out,
 float32 accumulation), on T*k rows routed uniformly at random and grouped by permute, by each of
-``impls``: ``jax_moe.grouped_matmul`` (the tile ``jax_moe.plan.pick_tile`` picks), ``lax.ragged_dot``,
-Pallas Mosaic-GPU ``ragged_dot_mgpu`` (the best of MGPU_CONFIGS) and a dense ``jnp.dot`` of the same FLOPs
-(the compute ceiling). TFLOP/s = 2*T*k*H*2F / time; weight GB/s = bytes of the experts owning rows / time,
-against the copy ceiling (few rows an expert are bound by the weights' reads). A peer is one more entry
-of ``impls``; one that fails is an error row. Then the SwiGLU expert block of the layer, forward and
+``impls``: ``jax_moe.grouped_matmul`` (the tile ``jax_moe.plan.pick_tile`` picks), each JAX peer's grouped
+GEMM (``jax_peers.peers``: tokamax, Pallas Mosaic GPU, ``lax.ragged_dot``) and a dense ``jnp.dot`` of the
+same FLOPs (the compute ceiling). TFLOP/s = 2*T*k*H*2F / time; weight GB/s = bytes of the experts owning rows / time,
+against the copy ceiling (few rows an expert are bound by the weights' reads); a peer that fails is an
+error row. Then the SwiGLU expert block of the layer, forward and
 forward+backward, jax_moe against the JAX peers (``jax_peers.measure_block``). The whole layer against its
 peers, and FP8 experts: the stack, decode and train suites.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,39 +20,30 @@ from jax import lax
 import jax_moe
 from jax_moe import plan
 from jax_moe.bench import common, jax_peers
-from jax_moe.bench.jax_peers import MGPU_CONFIGS, MGPU_MAX_EXPERTS
 from jax_moe.bench.models import ROW_DTYPE, ModelShape
 
 MODELS = ("mixtral", "qwen3_30b", "deepseek_v3", "qwen35_397b")
 TOKENS = (1, 16, 128, 1024, 4096, 16384)
 QUICK_MODELS = ("qwen3_30b",)
 QUICK_TOKENS = (16, 4096)
-RAGGED_DOT_MAX_ROWS_X_EXPERTS = 16384 * 256  # past it ragged_dot takes seconds a call (157 ms: DeepSeek-V3, 8192 rows)
 TITLE = "Grouped GEMM (suite gemm)"
 METHOD = common.LOOP_METHOD + " The scratch is threaded from call to call."
-
-
-def _mgpu(rows, weights, sizes, config):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # where Pallas runs: its import fails elsewhere
-    return ragged_dot_mgpu.ragged_dot(rows, weights, group_sizes=sizes, **config), (rows, weights, sizes)
 
 
 def impls(tokens: int, config, scratch, weights) -> dict:
     """name -> (``fn(*operands) -> (out, operands)``, operands), or why it does not run here."""
     live = config.live_row_bound(tokens)
     rows, sizes = scratch.permuted[:live], scratch.group_sizes
-    out = {
-        "jax_moe": (lambda w, s: (jax_moe.grouped_matmul(s.permuted, w, s, num_rows=live)[0], (w, s)),
-                    (weights, scratch)),
-        "ragged_dot": ((lambda r, w, g: (lax.ragged_dot(r, w, g, preferred_element_type=jnp.float32).astype(r.dtype),
-                                         (r, w, g)), (rows, weights, sizes))
-                       if tokens * config.top_k * config.num_experts <= RAGGED_DOT_MAX_ROWS_X_EXPERTS
-                       else f"not run: rows x experts > {RAGGED_DOT_MAX_ROWS_X_EXPERTS}"),
-        "dense": (lambda r, w: (jnp.dot(r, w, preferred_element_type=jnp.float32).astype(r.dtype), (r, w)),
-                  (rows[:tokens * config.top_k], weights[0])),
-    }
-    for i, mgpu_config in enumerate(MGPU_CONFIGS if config.num_experts <= MGPU_MAX_EXPERTS else ()):
-        out[f"ragged_dot_mgpu/{i}"] = (functools.partial(_mgpu, config=mgpu_config), (rows, weights, sizes))
+    out = {"jax_moe": (lambda w, s: (jax_moe.grouped_matmul(s.permuted, w, s, num_rows=live)[0], (w, s)),
+                       (weights, scratch)),
+           "dense": (lambda r, w: (jnp.dot(r, w, preferred_element_type=jnp.float32).astype(r.dtype), (r, w)),
+                     (rows[:tokens * config.top_k], weights[0]))}
+    limit = jax_peers.RAGGED_DOT_MAX_ROWS_X_EXPERTS["forward"]  # past it ragged_dot takes seconds a call
+    for name, dot in jax_peers.peers(config.num_experts).items():
+        if name == "ragged_dot" and tokens * config.top_k * config.num_experts > limit:
+            dot = f"not run (rows x E > {limit})"
+        out[name] = dot if isinstance(dot, str) else (lambda r, w, g, dot=dot: (dot(r, w, g), (r, w, g)),
+                                                      (rows, weights, sizes))
     return out
 
 
@@ -84,11 +73,6 @@ def measure(model: ModelShape, tokens: int, clock, notes, copy_gbs: float | None
             row["error"] = common.describe_error(e)
         clock.log(f"gemm {model.name} T={tokens} {name}: {common.outcome(row, 'us')}")
         rows.append(row)
-    mgpu = [r for r in rows if r["impl"].startswith("ragged_dot_mgpu/")]
-    if mgpu:  # one row: the best config, or the first failure
-        best = min(mgpu, key=lambda r: r.get("us", float("inf")))
-        rows.append({**best, "impl": "ragged_dot_mgpu", "config": MGPU_CONFIGS[int(best["impl"].split("/")[1])]})
-    rows = [r for r in rows if not r["impl"].startswith("ragged_dot_mgpu/")]
     dense = next((r["tflops"] for r in rows if r["impl"] == "dense" and "tflops" in r), None)
     for row in (r for r in rows if "tflops" in r):
         row["pct_of_dense"] = dense and 100 * row["tflops"] / dense

@@ -180,7 +180,7 @@ def check(dot, x, ids, gate_up, down) -> dict[str, str | None]:
 
     def verdict(names):
         bad = [f"{name} {errors[name]:.3g}" for name in names if not errors[name] <= CHECK_TOLERANCE]
-        return f"check failed on {tokens} tokens (relative error > {CHECK_TOLERANCE}): {', '.join(bad)}" if bad else None
+        return bad and f"check failed on {tokens} tokens (relative error > {CHECK_TOLERANCE}): {', '.join(bad)}" or None
     return {"forward": verdict(["out"]), "forward+backward": verdict(errors)}
 
 
