@@ -4,11 +4,11 @@ Per model and T: the fused gate/up projection of one layer, [T*k, H] x [El, H, 2
 float32 accumulation), on T*k rows routed uniformly at random and grouped by permute, by each of
 ``impls``: ``jax_moe.grouped_matmul`` (the tile ``jax_moe.plan.pick_tile`` picks), each JAX peer's grouped
 GEMM (``jax_peers.peers``: tokamax, Pallas Mosaic GPU, ``lax.ragged_dot``) and a dense ``jnp.dot`` of the
-same FLOPs (the compute ceiling). TFLOP/s = 2*T*k*H*2F / time; weight GB/s = bytes of the experts owning rows / time,
-against the copy ceiling (few rows an expert are bound by the weights' reads); a peer that fails is an
-error row. Then the SwiGLU expert block of the layer, forward and
-forward+backward, jax_moe against the JAX peers (``jax_peers.measure_block``). The whole layer against its
-peers, and FP8 experts: the stack, decode and train suites.
+same FLOPs (the compute ceiling). TFLOP/s = 2*T*k*H*2F / time; weight GB/s = bytes of the experts owning
+rows / time, against the copy ceiling (few rows an expert are bound by the weights' reads); a peer that
+fails is an error row. Then the SwiGLU expert block of the layer, forward and forward+backward, jax_moe
+against the JAX peers (``jax_peers.measure_block``). The whole layer against its peers, and FP8 experts:
+the stack, decode and train suites.
 """
 
 from __future__ import annotations
