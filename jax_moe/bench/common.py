@@ -286,6 +286,12 @@ def roofline(bytes_moved: float, flops: float, copy_gbs: float | None, dense_tfl
             "bound": "bytes" if byte_us >= flop_us else "FLOPs"}
 
 
+def training_weight_bytes(read_experts: float, num_experts: int, expert_bytes: float) -> float:
+    """Weight bytes a training step's experts move: the routed experts' weights read by the forward and again
+    by the backward, and every expert's gradient written (a dense gradient: zero where an expert has no rows)."""
+    return (2 * read_experts + num_experts) * expert_bytes
+
+
 # --- params and processes -------------------------------------------------------------------------
 
 def init_stack_params(key, config: MoEConfig, layers: int, ffn_size: int, *, fp8: bool = False, **options) -> dict:

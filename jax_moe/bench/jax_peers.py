@@ -208,8 +208,9 @@ def measure_block(model, tokens: int, clock, notes, copy_gbs, dense_tflops) -> l
     scratch = jax.jit(jax_moe.permute)(x, ids, jax_moe.init_scratch(config))
     layer = {"router": jnp.zeros((hidden, num_experts), ROW_DTYPE), "gate_up": gate_up, "down": down}
     flops, expert_bytes = 2 * tokens * model.top_k * hidden * 3 * width, 3 * hidden * width * 2
-    read = int((sizes > 0).sum()) * expert_bytes  # the backward reads them again, writes every expert's gradient
-    weight_bytes = {"forward": read, "forward+backward": 2 * read + num_experts * expert_bytes}
+    active = int((sizes > 0).sum())
+    weight_bytes = {"forward": active * expert_bytes,
+                    "forward+backward": common.training_weight_bytes(active, num_experts, expert_bytes)}
     results = []
     for name, dot in {"jax_moe": None, **peers(num_experts)}.items():
         if isinstance(dot, str):

@@ -60,7 +60,7 @@ LOSSES = {"jax_moe": jax_moe_loss, "baseline": baseline_loss}
 def measure(model: ModelShape, tokens: int, layers: int, params, copy_gbs, dense_tflops, peer, notes) -> list[dict]:
     flops = 3 * 2 * tokens * model.top_k * model.hidden_size * 3 * model.ffn_size
     active = model.num_experts * (1 - (1 - model.top_k / model.num_experts) ** tokens)
-    weight_bytes = (2 * active + model.num_experts) * 3 * model.hidden_size * model.ffn_size * 2  # dense gradient
+    weight_bytes = common.training_weight_bytes(active, model.num_experts, 3 * model.hidden_size * model.ffn_size * 2)
     base = {"model": model.name, "label": model.label, "E": model.num_experts, "k": model.top_k,
             "H": model.hidden_size, "F": model.ffn_size, "layers": layers, "T": tokens, "flops_per_layer": flops,
             "weight_bytes_per_layer": weight_bytes, **common.roofline(weight_bytes, flops, copy_gbs, dense_tflops)}
