@@ -8,6 +8,7 @@ work in every layer (nothing folded or dead), and where the CLI writes. The numb
 import dataclasses
 import json
 import math
+import pathlib
 import re
 import subprocess
 import tempfile
@@ -359,3 +360,11 @@ def test_cli_selection():
     for bad in (["--models", "gpt5"], ["--layers", "3", "3"], ["--suite", "gpu"]):
         with pytest.raises(SystemExit):
             cli.parse_args(bad)
+
+
+def test_the_benchmarks_stay_at_most_a_quarter_of_the_package():
+    # The library is what users run: the suites may not outgrow it again (they were 39 % of it once).
+    package = pathlib.Path(jax_moe.__file__).parent
+    lines = {path: len(path.read_text().splitlines()) for path in package.rglob("*.py")}
+    bench = sum(n for path, n in lines.items() if "bench" in path.relative_to(package).parts)
+    assert 4 * bench <= sum(lines.values()), f"bench/ is {bench} of {sum(lines.values())} lines"

@@ -80,26 +80,33 @@ def test_the_check_reports_a_wrong_gradient(monkeypatch):
     assert "d rows" not in failure and "out " not in failure
 
 
-def test_the_check_fits_large_models_onto_a_subset_of_experts(monkeypatch):
+def test_the_check_fits_large_models_onto_a_subset_of_experts():
     # DeepSeek-V3's float32 gate/up gradient is 30 GB: the check ran out of memory on the H100.
     x, ids, gate_up, down = _operands()
     per_expert = 4 * gate_up.shape[1] * gate_up.shape[2]
-    monkeypatch.setattr(jax_peers, "CHECK_WEIGHT_BYTES", 3 * per_expert)
+    caps = (jax_peers.CHECK_BYTES, 3 * per_expert)
     seen, dot = _recording_dot(lambda rows, weights: weights.shape[0])
-    assert jax_peers.check(dot, x, ids, gate_up, down) == PASSED
+    assert jax_peers.check(dot, x, ids, gate_up, down, caps) == PASSED
     assert set(seen) == {3}
     wrong = lambda rows, weights, sizes: jax_peers.ragged_dot(rows, weights[::-1], sizes)  # noqa: E731
-    assert "out" in jax_peers.check(wrong, x, ids, gate_up, down)["forward"]
+    assert "out" in jax_peers.check(wrong, x, ids, gate_up, down, caps)["forward"]
 
 
-def test_a_cut_check_keeps_whole_blocks_of_tokens(monkeypatch):
+def test_a_cut_check_keeps_whole_blocks_of_tokens():
     # DeepSeek-V3's check cut at 130 tokens (1,040 rows): tokamax's kernel refused rows not a multiple of 64.
     x, ids, gate_up, down = _operands(tokens=150)
     row_bytes = 4 * ids.shape[1] * gate_up.shape[0] * max(gate_up.shape[1], gate_up.shape[2])
-    monkeypatch.setattr(jax_peers, "CHECK_BYTES", 130 * row_bytes)
     seen, dot = _recording_dot(lambda rows, weights: rows.shape[0])
-    assert jax_peers.check(dot, x, ids, gate_up, down) == PASSED
+    assert jax_peers.check(dot, x, ids, gate_up, down, (130 * row_bytes, jax_peers.CHECK_WEIGHT_BYTES)) == PASSED
     assert set(seen) == {128 * ids.shape[1]}
+
+
+def test_a_check_that_raises_is_a_failed_check_of_both_passes():
+    def broken(rows, weights, sizes):
+        raise RuntimeError("no kernel for these shapes")
+    verdicts = jax_peers.check(broken, *_operands())
+    assert set(verdicts) == set(jax_peers.PASSES)
+    assert all(v.startswith("check failed: RuntimeError: no kernel") for v in verdicts.values()), verdicts
 
 
 def test_the_layer_peer_is_the_baseline_layer_forward_and_backward(monkeypatch):

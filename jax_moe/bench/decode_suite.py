@@ -2,17 +2,13 @@
 
 Per model and T (1 to 64; ``--tokens 4096`` for prefill): one jitted step of ``moe_stack`` over the
 model's stack depth (rolled scan, scratch donated and threaded, each layer routing by its own router),
-µs a layer = back-to-back step / L, for each of VARIANTS: the plan ``jax_moe.plan_layer`` makes, and that
-plan with one choice switched off (the decode kernels, the permute's L2 prefetch of the routed experts'
-weights, the shared expert riding the routed experts' decode launches), each passed to ``moe_stack`` as
-``plan=``; a variant whose plan is the shipped one is the same program and is not run. FP8_VARIANTS: the
-same on FP8 experts (the same draws quantised: e4m3, a float32 scale a 128 x 128 block) where H and F are
-multiples of 128. The peer: L transformers ``Qwen3MoeSparseMoeBlock``s (torch grouped_mm) in the same
-residual stack, softmax top-k routing and no shared expert for every model, its forward in one CUDA graph
-(PEER_STEPS replays), in its own process. Roofline: the longer of the bytes a layer must read (the
-experts owning rows, counted from the step's own routing and averaged over layers, the shared expert, the
-router) / the copy rate and the forward's FLOPs (router, T*k routed and T shared rows through three
-projections) / the dense rate (FP8: twice it), both rates measured in the run.
+µs a layer = back-to-back step / L, for each of VARIANTS (FP8_VARIANTS on FP8 experts, the same draws
+quantised, where H and F are multiples of 128): the plan of ``jax_moe.plan_layer``, and that plan with one
+choice switched off, passed as ``plan=`` (one equal to the shipped plan is not run). Peers: the JAX peers'
+pure-JAX layer (``jax_peers``) and, in its own process, L transformers ``Qwen3MoeSparseMoeBlock``s (torch
+grouped_mm, softmax top-k, no shared expert) in one CUDA graph. Roofline: the longer of the bytes a layer
+must read (the experts owning rows in the step's own routing, averaged over layers, the shared expert, the
+router) / the copy rate and its FLOPs / the dense rate (FP8: twice it), both measured in the run.
 """
 
 from __future__ import annotations

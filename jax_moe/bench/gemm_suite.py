@@ -1,14 +1,11 @@
 """Suite gemm: the experts' grouped GEMM against the GEMMs a JAX user would pick instead.
 
-Per model and T: the fused gate/up projection of one layer, [T*k, H] x [El, H, 2F] (bf16 in and out,
-float32 accumulation), on T*k rows routed uniformly at random and grouped by permute, by each of
-``impls``: ``jax_moe.grouped_matmul`` (the tile ``jax_moe.plan.pick_tile`` picks), each JAX peer's grouped
-GEMM (``jax_peers.peers``: tokamax, Pallas Mosaic GPU, ``lax.ragged_dot``) and a dense ``jnp.dot`` of the
-same FLOPs (the compute ceiling). TFLOP/s = 2*T*k*H*2F / time; weight GB/s = bytes of the experts owning
-rows / time, against the copy ceiling (few rows an expert are bound by the weights' reads); a peer that
-fails is an error row. Then the SwiGLU expert block of the layer, forward and forward+backward, jax_moe
-against the JAX peers (``jax_peers.measure_block``). The whole layer against its peers, and FP8 experts:
-the stack, decode and train suites.
+Per model and T: the fused gate/up projection of one layer, [T*k, H] x [El, H, 2F] (bf16, float32
+accumulation), on T*k rows routed uniformly at random, by ``jax_moe.grouped_matmul`` (the tile of
+``plan.pick_tile``), each JAX peer (``jax_peers.peers``) and a dense ``jnp.dot`` of the same FLOPs (the
+compute ceiling). TFLOP/s = 2*T*k*H*2F / time; weight GB/s = bytes of the experts owning rows / time,
+against the copy ceiling. Then the SwiGLU expert block, forward and forward+backward, against the JAX peers
+(``jax_peers.measure_block``). Whole layers and FP8 experts: the stack, decode and train suites.
 """
 
 from __future__ import annotations
@@ -81,9 +78,8 @@ def measure(model: ModelShape, tokens: int, clock, notes, copy_gbs: float | None
 
 
 def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1, *, on_rows=None, time_limit_s=None):
-    notes = []
+    rows, notes = [], []
     copy_gbs, dense_tflops = common.ceilings(clock, notes)
-    rows = []
     for model in models:
         for tokens in token_counts:
             if clock.out_of_time(time_limit_s, notes, f"gemm {model.name} T={tokens}"):

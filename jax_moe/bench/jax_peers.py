@@ -1,16 +1,14 @@
 """The JAX peers: the grouped GEMMs a JAX user would pick instead of jax_moe's, and the pure-JAX layer on them.
 
-PEERS, each ``dot(rows [R, K], weights [E, K, N], group_sizes [E]) -> [R, N]`` (rows' dtype, float32
-accumulation, differentiable): ``tokamax.ragged_dot`` with ``implementation="mosaic_gpu"`` (Pallas Mosaic
-GPU; its custom_vjp runs both gradients on the same kernels) and ``"triton"``, at tokamax's default config;
-Pallas ``ragged_dot_mgpu`` with a backward written here from ``ragged_dot_mgpu(transpose_rhs=True)`` (d rows)
-and ``transposed_ragged_dot_mgpu`` (d weights); ``lax.ragged_dot``. A peer that cannot run here is the
-reason why, as a string. GEMM level (``measure_block``, from the gemm suite): the SwiGLU expert block of
-one layer on T*k rows grouped by uneven routing, forward and forward+backward (every gradient and the
-output consumed), jax_moe's on its scratch and the plan ``plan_layer`` makes. Layer level (train and
-decode suites): ``baseline.baseline_moe_stack`` (MaxText's shape: argsort permute, experts, weighted
-combine) with ``expert_fn=swiglu_on(dot)``. Before it is timed each peer's block is checked against
-float32-accumulating ``lax.ragged_dot`` (``check``); one that fails is reported, not timed.
+``peers``, each a ``dot(rows [R, K], weights [E, K, N], group_sizes [E]) -> [R, N]`` (float32 accumulation,
+differentiable), or why it cannot run here: ``tokamax.ragged_dot`` (``mosaic_gpu`` and ``triton``, default
+config; its custom_vjp runs both gradients on the same kernels), Pallas ``ragged_dot_mgpu`` with a backward
+written here (``transpose_rhs=True`` for d rows, ``transposed_ragged_dot_mgpu`` for d weights) and
+``lax.ragged_dot``. GEMM level (``measure_block``, gemm suite): the SwiGLU expert block of one layer on T*k
+rows of uneven routing, forward and forward+backward (every output consumed), jax_moe's on its scratch and
+plan. Layer level (train and decode suites): ``baseline.baseline_moe_stack`` (MaxText's shape) with
+``expert_fn=swiglu_on(dot)``. Each peer is checked against float32 ``lax.ragged_dot`` (``check``) first;
+one that fails is reported, not timed.
 """
 
 from __future__ import annotations
@@ -36,6 +34,7 @@ MGPU_MAX_EXPERTS = 128  # its grid has a step per group and row block: compile t
 MGPU_CONFIGS = ({"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
                 {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 2})
 LAYER_PEERS = ("tokamax/mosaic_gpu", "pallas_mgpu")  # the layer-level rows: baseline/<peer>
+PASSES = {"forward": 1, "forward+backward": 3}  # pass -> its FLOPs over the forward's (a backward: twice them)
 ROUTING_SKEW = 1.0  # std of each expert's popularity added to the tokens' N(0, 1) router scores: uneven loads
 CHECK_TOLERANCE = 2e-2  # max |peer - reference| / max |reference|, each of out, d rows, d gate/up, d down
 CHECK_BYTES = 1 << 30  # ragged_dot's weight gradient is a dense [rows, E, N] float32: the check's token cap
@@ -151,17 +150,29 @@ def uneven_ids(key, tokens: int, num_experts: int, top_k: int) -> jax.Array:
     return lax.top_k(scores, top_k)[1]
 
 
-def check(dot, x, ids, gate_up, down) -> dict[str, str | None]:
-    """Per pass, None where the SwiGLU block on ``dot`` agrees with float32-accumulating ragged_dot's within
-    CHECK_TOLERANCE, else what differs: the forward by its out, forward+backward also by the rows' and both
-    weights' gradients for a random cotangent (a wrong weight gradient does not void a forward's row). On
-    the first tokens of ``x`` (ids [T, k]) whose reference gradient fits CHECK_BYTES (whole CHECK_TOKEN_BLOCKs
-    where cut), routed onto the first experts whose float32 weight gradients fit CHECK_WEIGHT_BYTES (ids modulo
-    their count)."""
-    _, hidden, width = gate_up.shape
-    num_experts = max(1, min(gate_up.shape[0], CHECK_WEIGHT_BYTES // (4 * hidden * width)))
+def check(dot, x, ids, gate_up, down, caps=(CHECK_BYTES, CHECK_WEIGHT_BYTES)) -> dict[str, str | None]:
+    """Per pass of PASSES, None where the SwiGLU block on ``dot`` agrees with float32-accumulating ragged_dot's
+    within CHECK_TOLERANCE, else what differs (or the error that stopped the check): the forward by its out,
+    forward+backward also by the rows' and both weights' gradients for a random cotangent (a wrong weight
+    gradient does not void a forward's row). On the first tokens of ``x`` (ids [T, k]) whose reference gradient
+    fits ``caps[0]`` bytes (whole CHECK_TOKEN_BLOCKs where cut), routed onto the first experts whose float32
+    weight gradients fit ``caps[1]`` (ids modulo their count)."""
+    try:
+        errors, tokens = _relative_errors(dot, x, ids, gate_up, down, caps)
+    except Exception as e:
+        return dict.fromkeys(PASSES, f"check failed: {common.describe_error(e)}")
+
+    def verdict(names):
+        bad = [f"{name} {errors[name]:.3g}" for name in names if not errors[name] <= CHECK_TOLERANCE]
+        return bad and f"check failed on {tokens} tokens (relative error > {CHECK_TOLERANCE}): {', '.join(bad)}" or None
+    return dict(zip(PASSES, (verdict(["out"]), verdict(errors))))
+
+
+def _relative_errors(dot, x, ids, gate_up, down, caps) -> tuple[dict[str, float], int]:
+    (max_bytes, max_weight_bytes), (_, hidden, width) = caps, gate_up.shape
+    num_experts = max(1, min(gate_up.shape[0], max_weight_bytes // (4 * hidden * width)))
     gate_up, down, ids = gate_up[:num_experts], down[:num_experts], ids % num_experts
-    tokens = max(1, min(x.shape[0], CHECK_BYTES // (4 * ids.shape[1] * num_experts * max(hidden, width))))
+    tokens = max(1, min(x.shape[0], max_bytes // (4 * ids.shape[1] * num_experts * max(hidden, width))))
     if CHECK_TOKEN_BLOCK <= tokens < x.shape[0]:
         tokens -= tokens % CHECK_TOKEN_BLOCK
     rows, sizes, _ = baseline.argsort_permute(x[:tokens], ids[:tokens], num_experts)
@@ -176,12 +187,8 @@ def check(dot, x, ids, gate_up, down) -> dict[str, str | None]:
     want, got = results(functools.partial(ragged_dot, out_dtype=jnp.float32)), results(dot)
     relative = jax.jit(lambda g, w: jnp.max(jnp.abs(g.astype(jnp.float32) - w))
                         / jnp.maximum(jnp.max(jnp.abs(w)), jnp.finfo(jnp.float32).tiny))  # fused: no f32 copy
-    errors = {name: float(relative(g, w)) for name, g, w in zip(("out", "d rows", "d gate_up", "d down"), got, want)}
-
-    def verdict(names):
-        bad = [f"{name} {errors[name]:.3g}" for name in names if not errors[name] <= CHECK_TOLERANCE]
-        return bad and f"check failed on {tokens} tokens (relative error > {CHECK_TOLERANCE}): {', '.join(bad)}" or None
-    return {"forward": verdict(["out"]), "forward+backward": verdict(errors)}
+    names = ("out", "d rows", "d gate_up", "d down")
+    return {name: float(relative(g, w)) for name, g, w in zip(names, got, want)}, tokens
 
 
 def _step(experts_fn, training: bool):
@@ -217,8 +224,8 @@ def measure_block(model, tokens: int, clock, notes, copy_gbs, dense_tflops) -> l
             notes.append(f"{model.name} T={tokens}: block {name} {dot}")
             clock.log(notes[-1])
             continue
-        checked = {} if dot is None else _checked(dot, x, ids, gate_up, down)
-        for passes, scale in (("forward", 1), ("forward+backward", 3)):  # backward: twice the forward's FLOPs
+        checked = {} if dot is None else check(dot, x, ids, gate_up, down)
+        for passes, scale in PASSES.items():
             if name == "ragged_dot" and tokens * model.top_k * num_experts > RAGGED_DOT_MAX_ROWS_X_EXPERTS[passes]:
                 notes.append(f"{model.name} T={tokens}: block ragged_dot {passes} not run (rows x E > "
                              f"{RAGGED_DOT_MAX_ROWS_X_EXPERTS[passes]})")
@@ -257,13 +264,6 @@ def jax_moe_block(plan, layer: dict, x):
     return block
 
 
-def _checked(dot, x, ids, gate_up, down) -> dict[str, str | None]:
-    try:
-        return check(dot, x, ids, gate_up, down)
-    except Exception as e:
-        return dict.fromkeys(("forward", "forward+backward"), f"check failed: {common.describe_error(e)}")
-
-
 def layer_peers(model, params=None, x=None, config=None, passes: str = "forward+backward") -> dict:
     """name -> ``expert_fn`` for each of LAYER_PEERS, or why it does not run here (``not run: ...``) or
     its failed ``check`` of ``passes`` on the first layer's experts and routing of ``x`` [T, H] (with params)."""
@@ -274,7 +274,7 @@ def layer_peers(model, params=None, x=None, config=None, passes: str = "forward+
             bias = params.get("router_bias")
             ids = jax.jit(lambda p, b, x: routing.route(p["router"][0], x, config, b)[1])(
                 params, None if bias is None else bias[0], x)
-            dot = _checked(dot, x, ids, params["gate_up"][0].astype(x.dtype),
+            dot = check(dot, x, ids, params["gate_up"][0].astype(x.dtype),
                            params["down"][0].astype(x.dtype))[passes] or dot
         out[f"baseline/{name}"] = dot if isinstance(dot, str) else swiglu_on(dot)
     return out

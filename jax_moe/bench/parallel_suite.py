@@ -1,15 +1,12 @@
 """Suite parallel: the expert-parallel stack (``jax_moe.moe_stack_ep``) per layer, on every device JAX sees.
 
-One mesh axis carries the experts (E / n a device) and the tokens (n * T; T, the table's, is a device's).
-Per model, T and capacity rule: ``ep``, the sharded stack as users run it, its state donated and threaded;
-``ep/no-collective``, the same program with each all_to_all an identity of the same shapes (all of the
-compute, none of the communication); ``single-device``, ``moe_stack`` of the same global problem on
-device 0. collectives = ep - ep/no-collective, share = collectives / ep (one device: the exchange has one
-participant, so the table shows the sharding's overhead). Capacity rules: ``no-drop`` (C = T * min(k, El):
-nothing overflows), ``cf=2`` (C = ceil(2*T*k/n), the overflow dropped and counted; not run where its C is
-no-drop's) and, where ``lax.ragged_all_to_all`` runs (GPUs), ``dropless``: no-drop's buffers, the live rows
-alone sent by the ragged exchange. rows sent = a device's per layer and direction (the fixed layout's n*C
-slots, empty ones included; dropless: the live rows); live rows = the routes kept; bytes = rows x H x 2.
+One mesh axis carries the experts (E / n a device) and the tokens (n * T; T is a device's). Per model, T and
+capacity rule: ``ep`` (the sharded stack, state donated and threaded), ``ep/no-collective`` (each all_to_all
+an identity of the same shapes) and ``single-device`` (``moe_stack`` of the same global problem on device 0);
+collectives = ep - ep/no-collective (one device: the sharding's overhead). Capacity rules: ``no-drop`` (C = T *
+min(k, El)), ``cf=2`` (C = ceil(2*T*k/n), overflow dropped and counted; not run where C is no-drop's) and,
+where ``lax.ragged_all_to_all`` runs, ``dropless`` (no-drop's buffers, only live rows sent). rows sent = a
+device's per layer and direction (n*C slots; dropless: the live rows); bytes = rows x H x 2.
 """
 
 from __future__ import annotations
@@ -168,12 +165,6 @@ def derive(rows: list[dict]) -> list[dict]:
         if single:
             row["ratio_to_single_device"] = row["us_per_layer"] / single
     return rows
-
-
-def facts() -> dict:
-    """The mesh's size and whether ``lax.ragged_all_to_all`` compiles and runs on this backend."""
-    mesh = Mesh(np.array(jax.devices()), (AXIS,))
-    return {"devices": mesh.size, "ragged_all_to_all": ragged_all_to_all_support(mesh)}
 
 
 def run(models: list[ModelShape], token_counts, clock, compile_threads: int = 1, *, layer_counts=LAYER_COUNTS,

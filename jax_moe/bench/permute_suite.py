@@ -1,11 +1,9 @@
 """Suite permute: permute and unpermute per layer against the pure-JAX baselines, a floor and a ceiling.
 
-Each case is one layer body in a jitted ``lax.scan`` whose inputs are the routing (k distinct random
-expert ids per token, softmax weights: constants would be folded); each layer's output is the next
-one's x. A barrier after each measured op keeps XLA from fusing it into its consumer, and a scalar read
-from every output (``common.runtime_zero``) feeds the next layer's routing, so no layer's work is
-dead. Cases: jax_moe, ``argsort`` (pure JAX) and ``repeat`` (MaxText's ``jnp.repeat``), the pair and
-each op alone; the jax_moe pair not donated; the copy.
+Each case is a layer body in a jitted ``lax.scan`` over the routing (k distinct random ids a token, softmax
+weights), each layer's output the next one's x, a barrier after each measured op and a scalar read from
+every output feeding the next layer's routing (nothing fused away or dead). Cases: jax_moe, ``argsort`` (pure
+JAX), ``repeat`` (MaxText's ``jnp.repeat``), pair and each op alone; the jax_moe pair not donated; the copy.
 """
 
 from __future__ import annotations
