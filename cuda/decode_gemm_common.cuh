@@ -19,12 +19,31 @@ using Bf16 = __nv_bfloat16;
 __device__ __forceinline__ int Clamp(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 struct Group {
-  int index;  // -1: fewer experts than the slot own rows
+  int index;  // -1: fewer passes than the slot
   int start, end;
 };
 
-// The slot-th expert, in expert order, that owns rows (offsets clamped to out_rows), for every
-// thread of the block: each thread counts its share of experts, a block scan ranks them.
+// Passes of at most kRowsPerPass rows an expert owning `rows` rows takes.
+template <int kRowsPerPass>
+__device__ __forceinline__ int Passes(int rows) {
+  return rows > 0 ? 1 + (rows - 1) / kRowsPerPass : 0;
+}
+
+// The most passes `rows` rows over `groups` experts can take (each owning expert's last one may be partial).
+inline int64_t MaxPasses(int64_t rows, int64_t groups, int rows_per_pass) {
+  const int64_t owners = groups < rows ? groups : rows;
+  return (rows + owners * (rows_per_pass - 1)) / rows_per_pass;
+}
+
+constexpr int kWholeGroups = 1 << 30;  // FindGroup's kRowsPerPass for one slot per expert, whatever its rows
+constexpr int64_t kMaxRoutedSlots = 65534;  // a grid's y extent (65,535) less the shared product's slot
+
+// The slot-th pass of at most kRowsPerPass rows, in expert order, over the experts that own rows
+// (offsets clamped to out_rows): its expert and rows, for every thread of the block. Each thread
+// counts its share of experts' passes, a block scan ranks them. Consecutive slots are the passes of
+// one expert, so blocks that run together stream the same weights and all but the first read them
+// from L2. (A template: the divisions are shifts, and each instance has its own shared memory.)
+template <int kRowsPerPass>
 __device__ Group FindGroup(const int32_t* offsets, int num_groups, int out_rows, int slot) {
   __shared__ int warp_totals[kWarps];
   __shared__ Group found;
@@ -35,7 +54,7 @@ __device__ Group FindGroup(const int32_t* offsets, int num_groups, int out_rows,
   int count = 0;
   for (int g = first; g < last; ++g) {
     const int start = Clamp(offsets[g], 0, out_rows);
-    count += Clamp(offsets[g + 1], start, out_rows) > start;
+    count += Passes<kRowsPerPass>(Clamp(offsets[g + 1], start, out_rows) - start);
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int inclusive = count;
@@ -51,13 +70,13 @@ __device__ Group FindGroup(const int32_t* offsets, int num_groups, int out_rows,
   if (slot >= rank && slot < rank + count) {
     for (int g = first; g < last; ++g) {
       const int start = Clamp(offsets[g], 0, out_rows);
-      const int end = Clamp(offsets[g + 1], start, out_rows);
-      if (end == start) continue;
-      if (rank == slot) {
-        found = Group{g, start, end};
+      const int end = Clamp(offsets[g + 1], start, out_rows), passes = Passes<kRowsPerPass>(end - start);
+      if (slot < rank + passes) {
+        const int pass_start = start + (slot - rank) * kRowsPerPass;
+        found = Group{g, pass_start, end - pass_start > kRowsPerPass ? pass_start + kRowsPerPass : end};
         break;
       }
-      ++rank;
+      rank += passes;
     }
   }
   __syncthreads();

@@ -1,9 +1,11 @@
 // The bf16 decode grouped GEMM (decode_gemm_kernels.h). Grid: x = a tile of output columns, y = a
-// slot: block (x, y) finds the y-th expert that owns rows and streams that expert's [K, tile] weight columns
-// once per pass over (up to rows_per_pass of) its rows (with a shared product, the last slot
-// streams the shared weights over every row of shared_x instead). Within a block each lane owns 8
-// consecutive columns (one 16-byte load per k row) and 8 consecutive k rows per step (one 16-byte
-// load of each row's x); lanes and warps split K, and a fixed-order reduction sums their parts.
+// slot: block (x, y) finds the y-th pass (up to rows_per_pass rows of one expert; an expert's passes
+// are consecutive slots) and streams that expert's [K, tile] weight columns over the pass's rows.
+// With a shared product the last slot streams the shared weights over every row of shared_x; where
+// passes could overflow the grid, a routed slot passes over all of its expert's rows (slot_rows).
+// Within a block each lane owns 8 consecutive columns (one 16-byte load per k row) and 8 consecutive
+// k rows per step (one 16-byte load of each row's x); lanes and warps split K, and a fixed-order
+// reduction sums their parts.
 #include <cuda_bf16.h>
 #include <cooperative_groups.h>
 
@@ -90,8 +92,11 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
       if (c < out_width) out[(live + i / kOutCols) * out_width + c] = __float2bfloat16_rn(0.0f);
     }
   }
+  const int num_groups = static_cast<int>(p.num_groups), slot = static_cast<int>(blockIdx.y);
   const Group group = shared ? Group{0, 0, static_cast<int>(p.shared_rows)}
-                             : FindGroup(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, blockIdx.y);
+                      : p.slot_rows == kRowsPerPass
+                          ? FindGroup<kRowsPerPass>(p.expert_offsets, num_groups, out_rows, slot)
+                          : FindGroup<kWholeGroups>(p.expert_offsets, num_groups, out_rows, slot);
   if (group.index < 0) return;
   const Bf16* weights = static_cast<const Bf16*>(shared ? p.shared_weights : p.weights) + group.index * k * n + col;
 
@@ -101,6 +106,8 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   const int64_t k_end = k_begin + k_chunk < k ? k_begin + k_chunk : k;
   const uint64_t policy = EvictFirstPolicy();
 
+  // One pass for a routed slot of slot_rows == kRowsPerPass; several for the shared slot (every row of
+  // shared_x) or a slot of a whole expert's rows.
   for (int first_row = group.start; first_row < group.end; first_row += kRowsPerPass) {
     const int rows_now = min(kRowsPerPass, group.end - first_row);
     const Bf16* x = rows + static_cast<int64_t>(first_row) * k;
@@ -191,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
 
 // A launch's shape: the tile width (wide: 128 weight columns, each warp reading 256 contiguous
 // bytes per k row; narrow: 64), a K split over clusters of `split` blocks, and the grid: (tiles of
-// the wider product, slots: the experts that can own rows, then the shared product's), of which
+// the wider product, slots: the routed passes there can be, then the shared product's), of which
 // `working` blocks have columns to compute.
 struct DecodeShape {
   bool wide;
@@ -214,7 +221,9 @@ int64_t BusiestSmBytes(const DecodeShape& shape, int64_t k) {
 // product joins.)
 DecodeShape ShapeOf(const DecodeGemmArgs& args) {
   const bool gated = args.gated, shared = args.shared_weights != nullptr;
-  const int64_t routed_slots = std::min(args.num_groups, args.out_rows);
+  const int64_t routed_slots = args.slot_rows == kWholeGroups
+                                   ? std::min(args.num_groups, args.out_rows)
+                                   : MaxPasses(args.out_rows, args.num_groups, args.slot_rows);
   const int64_t routed_width = gated ? args.n / 2 : args.n, shared_width = gated ? args.shared_n / 2 : args.shared_n;
   const int64_t k = std::min(routed_slots > 0 ? args.k : INT64_MAX, shared ? args.shared_k : INT64_MAX);
   auto shape_of = [&](bool wide) {
@@ -290,7 +299,7 @@ cudaError_t LaunchOne(const DecodeGemmArgs& args, cudaStream_t stream) {
 // its tail besides). So a shared expert fills a routed grid's last wave, but does not join a grid
 // where its blocks would make some SMs stream one block more (DeepSeek-V3's gate/up at T = 1).
 bool SharedJoinsLaunch(const DecodeGemmArgs& args) {
-  if (std::min(args.num_groups, args.out_rows) == 0) return true;
+  if (args.out_rows == 0) return true;
   DecodeGemmArgs routed = args, shared = args;
   routed.shared_weights = nullptr;
   shared.out_rows = 0;
@@ -303,13 +312,17 @@ bool SharedJoinsLaunch(const DecodeGemmArgs& args) {
 cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& given, cudaStream_t stream) {
   DecodeGemmArgs args = given;
   if (args.k % 8 != 0 || args.n % (args.gated ? 16 : 8) != 0 || args.num_groups < 1 ||
-      args.num_groups > 65534 || args.out_rows < 0 || args.out_rows > (int64_t{1} << 30))
+      args.num_groups > kMaxRoutedSlots || args.out_rows < 0 || args.out_rows > (int64_t{1} << 30) ||
+      (args.rows_per_pass != 1 && args.rows_per_pass != 2 && args.rows_per_pass != 4 && args.rows_per_pass != 8))
     return cudaErrorInvalidValue;
   if (args.shared_weights != nullptr &&
       (args.shared_k < 8 || args.shared_k % 8 != 0 || args.shared_n < 8 || args.shared_n % (args.gated ? 16 : 8) != 0 ||
        args.shared_rows < 1 || args.shared_rows > (int64_t{1} << 30)))
     return cudaErrorInvalidValue;
   if (args.out_rows == 0 && args.shared_weights == nullptr) return cudaSuccess;
+  // A slot a pass, so that an expert's passes run side by side, unless they could overflow the grid.
+  const bool pass_slots = MaxPasses(args.out_rows, args.num_groups, args.rows_per_pass) <= kMaxRoutedSlots;
+  args.slot_rows = pass_slots ? args.rows_per_pass : kWholeGroups;
   if (args.shared_weights == nullptr || SharedJoinsLaunch(args)) return LaunchOne(args, stream);
   // Apart: the routed experts' launch, then the shared product's alone (its only slot).
   DecodeGemmArgs routed = args, shared = args;

@@ -527,7 +527,8 @@ __global__ void __launch_bounds__(kThreads, kDepth == 0 ? 2 : 1) Fp8DecodeKernel
         const int64_t col0 = s.first_run * span;
         ZeroFp8RowsPastLive(p, col0, min(n, (s.first_run + s.runs) * span) - col0);
       }
-      const Group group = FindGroup(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, static_cast<int>(slot));
+      const Group group =
+          FindGroup<kWholeGroups>(p.expert_offsets, static_cast<int>(p.num_groups), out_rows, static_cast<int>(slot));
       if (group.index < 0) continue;
       s.rows = p.rows + static_cast<int64_t>(group.start) * p.k;
       s.weights = p.weights + group.index * n * p.k;

@@ -292,6 +292,39 @@ def test_gpu_decode_kernel_model_shapes(name, num_tokens):
 
 
 @pytest.mark.gpu
+def test_gpu_decode_kernel_passes_over_uneven_groups():
+    """Experts owning 0 to 11 rows (a popular expert takes several passes, each a block of its own):
+    plain and gated products at every rows_per_pass match ragged_dot, rows in no group zero."""
+    config = MoEConfig(num_experts=16, top_k=1, hidden_size=256, max_tokens=64, dtype=BF16)
+    counts = [11, 1, 0, 7, 3, 0, 2, 9, 1, 0, 5, 4, 0, 8, 1, 2]
+    scratch = routed_scratch(config, sum(counts), np.repeat(np.arange(16), counts)[:, None])
+    up = _weights(16, 256, 512)
+    want = _reference(scratch.permuted, up, scratch, 64)
+    want_gated = np.asarray(gemm.gated_silu(jnp.asarray(want, BF16), jnp.float32))
+    for rows_per_pass in (1, 2, 4, 8):
+        for op, expected in ((gemm.forward, want), (gemm.gated_forward, want_gated)):
+            got = jax.jit(lambda r, w, s, op=op: op(r, w, s.expert_offsets, s.workspace, 64, gemm.DECODE_TILE,
+                                                    rows_per_pass)[0])(scratch.permuted, up, scratch)
+            got = np.asarray(got, np.float32)
+            np.testing.assert_allclose(got, expected, atol=3e-2, rtol=3e-2,
+                                       err_msg=f"{op.__name__}, rows_per_pass {rows_per_pass}")
+            assert_zero_past_groups(got, scratch.expert_offsets)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_kernel_more_passes_than_a_grid_holds():
+    """70,000 rows over 4 experts at one row a pass would need more blocks than a grid's y extent:
+    the kernel then gives each expert a slot and passes over its rows in turn."""
+    config = MoEConfig(num_experts=4, top_k=1, hidden_size=64, max_tokens=70_000, dtype=BF16)
+    scratch = routed_scratch(config, 70_000, np.arange(70_000)[:, None] % 3)
+    up = _weights(4, 64, 64)
+    out = jax.jit(lambda r, w, s: gemm.forward(r, w, s.expert_offsets, s.workspace, 70_000, gemm.DECODE_TILE, 1)[0])(
+        scratch.permuted, up, scratch)
+    out = np.asarray(out, np.float32)
+    np.testing.assert_allclose(out, _reference(scratch.permuted, up, scratch, 70_000), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_EDGE_CASES))
 def test_gpu_edge_cases_match_ragged_dot(case):
     kwargs, num_tokens, ids = grouped_gemm_edge_case(case)
