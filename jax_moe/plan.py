@@ -144,18 +144,23 @@ def expected_rows_per_expert(num_rows: int, num_groups: int) -> float:
 
 
 def pick_tile(num_rows: int, num_groups: int, group_rows: int | None = None, *, tuning: Tuning = DEFAULT_TUNING,
-              decode_kernel: bool = True) -> str:
+              decode_kernel: bool = True, expert_bytes: float | None = None) -> str:
     """The bf16 grouped GEMM's tile (``TILES``) for at most num_rows live rows over num_groups experts.
 
     group_rows: the most rows one expert can own (T with distinct experts per token), when known:
     the decode kernel is taken only up to ``decode_max_group_rows`` of them, or, over at least
     ``decode_many_experts`` experts, while each owning one expects at most
-    ``decode_fine_max_rows_per_expert``. decode_kernel=False: never the decode kernel.
+    ``decode_fine_max_rows_per_expert`` (``decode_light_max_rows_per_expert`` where the owning
+    experts of ``expert_bytes`` each, when given, weigh at most ``decode_light_max_bytes``).
+    decode_kernel=False: never the decode kernel.
     """
     expected = expected_rows_per_expert(num_rows, num_groups)
+    light = expert_bytes is not None and (
+        expected_owning_experts(num_rows, num_groups) * expert_bytes <= tuning.decode_light_max_bytes)
+    fine_limit = tuning.decode_light_max_rows_per_expert if light else tuning.decode_fine_max_rows_per_expert
     if decode_kernel and expected <= tuning.decode_max_rows_per_expert and (
             group_rows is None or group_rows <= tuning.decode_max_group_rows
-            or (num_groups >= tuning.decode_many_experts and expected <= tuning.decode_fine_max_rows_per_expert)):
+            or (num_groups >= tuning.decode_many_experts and expected <= fine_limit)):
         return "decode"
     rows_per_expert = num_rows / max(1, min(num_groups, num_rows))
     if rows_per_expert >= tuning.large_tile_min_rows_per_expert:
@@ -167,9 +172,9 @@ def decode_rows_per_pass(num_rows: int, num_groups: int, group_rows: int | None 
                          tuning: Tuning = DEFAULT_TUNING) -> int:
     """The decode kernel's rows per pass over an expert's weights: 1, 2, 4 or 8.
 
-    Enough for group_rows when given and at most ``decode_max_group_rows`` (an expert with more
-    rows reads its weights again), else for the rows an owning expert expects (fine-grained experts:
-    the few that own more make another pass).
+    Enough for group_rows when given and at most ``decode_max_group_rows``, else for the rows an
+    owning expert expects: an expert with more rows takes more passes, blocks that run beside each
+    other, so that the later ones can read its weights from L2.
     """
     wanted = (group_rows if group_rows is not None and group_rows <= tuning.decode_max_group_rows
               else expected_rows_per_expert(num_rows, num_groups) - 0.1)
@@ -286,7 +291,8 @@ def plan_layer(config: MoEConfig, num_tokens: int, params: dict, *, expert_fn=No
     experts = fields.get("experts", "ragged_dot")
 
     if experts == "grouped_gemm":
-        tile = pick_tile(num_rows, num_local, group_rows, tuning=tuning, decode_kernel=decode_kernels)
+        tile = pick_tile(num_rows, num_local, group_rows, tuning=tuning, decode_kernel=decode_kernels,
+                         expert_bytes=3 * hidden * ffn * jnp.dtype(config.dtype).itemsize)
         fields["tile"] = tile
         if tile == "decode":
             fields["decode_rows_per_pass"] = decode_rows_per_pass(num_rows, num_local, group_rows, tuning=tuning)

@@ -38,6 +38,11 @@ class Tuning:
         64, "fine-grained layers (at least this many experts) rarely give one expert more rows than expected")
     decode_fine_max_rows_per_expert: float = _rule(
         1.3, "fine-grained layers keep the decode kernel while owning experts expect at most this many rows")
+    decode_light_max_rows_per_expert: float = _rule(
+        1.6, "and light ones up to this many: their launches are short, and a popular expert's extra passes "
+             "read it from L2")
+    decode_light_max_bytes: float = _rule(
+        1e9, "a fine-grained layer is light while the experts expected to own rows weigh at most this many bytes")
     shared_decode_max_tokens: int = _rule(
         8, "a bf16 shared expert streams its weights on the decode kernel up to here (one pass of 8 rows); XLA's "
            "dot copies the stacked slice first")

@@ -41,7 +41,7 @@ def test_cpu_plan_runs_xla_kernels():
 
 @pytest.mark.parametrize("num_tokens,tile,router,permute", [
     (1, "decode", "kernel", "prefetch"), (2, "decode", "kernel", "prefetch"), (8, "decode", "xla", "prefetch"),
-    (16, "small", "xla", "plain"), (4096, "medium", "xla", "plain")])
+    (16, "decode", "xla", "prefetch"), (32, "small", "xla", "plain"), (4096, "medium", "xla", "plain")])
 def test_cuda_plan_of_qwen3_30b(num_tokens, tile, router, permute):
     config, params = _model("qwen3_30b", num_tokens)
     got = jax_moe.plan_layer(config, num_tokens, params, platform="cuda")
@@ -134,3 +134,15 @@ def test_a_plan_pins_the_layer_and_must_be_made_for_its_tokens():
         jax_moe.moe_layer(layer, x, jax_moe.init_scratch(config), plan=default.replace(num_tokens=4))
     with pytest.raises(ValueError, match="moe_stack: plan: expected a LayerPlan"):
         jax_moe.moe_stack(params, x, jax_moe.init_scratch(config), plan="decode")
+
+
+def test_light_fine_grained_layers_keep_the_decode_kernel_longer():
+    # 128 rows over 128 experts expect 1.58 rows an owning expert: past decode_fine_max_rows_per_expert,
+    # within decode_light_max_rows_per_expert while the ~82 owning experts weigh at most decode_light_max_bytes.
+    light, heavy = 3 * 2048 * 768 * 2, 3 * 7168 * 2048 * 2  # bytes of a Qwen3-30B and a DeepSeek-V3 expert
+    assert plan.pick_tile(128, 128, 16) == "small"  # expert bytes unknown: the fine-grained limit
+    assert plan.pick_tile(128, 128, 16, expert_bytes=light) == "decode"
+    assert plan.pick_tile(128, 128, 16, expert_bytes=heavy) == "small"
+    assert plan.pick_tile(256, 128, 32, expert_bytes=light) == "small"  # 2.3 rows an expert: CUTLASS
+    tuning = dataclasses.replace(DEFAULT_TUNING, decode_light_max_bytes=1e6)
+    assert plan.pick_tile(128, 128, 16, expert_bytes=light, tuning=tuning) == "small"
