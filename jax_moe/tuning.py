@@ -37,7 +37,8 @@ class Tuning:
     decode_many_experts: int = _rule(
         64, "fine-grained layers (at least this many experts) rarely give one expert more rows than expected")
     decode_fine_max_rows_per_expert: float = _rule(
-        1.3, "fine-grained layers keep the decode kernel while owning experts expect at most this many rows")
+        1.2, "fine-grained layers keep the decode kernel while owning experts expect at most this many rows; past "
+             "it CUTLASS's 64-row tile reads a popular expert once")
     decode_light_max_rows_per_expert: float = _rule(
         1.6, "and light ones up to this many: their launches are short, and a popular expert's extra passes "
              "read it from L2")

@@ -158,9 +158,12 @@ def test_tile_choice_follows_rows_per_expert():
     assert plan.pick_tile(128, 128, group_rows=16) == gemm.SMALL_M_TILE  # Qwen3-30B at T=16: 1.58 expected
     assert plan.pick_tile(8, 8, group_rows=4) == gemm.SMALL_M_TILE        # Mixtral at T=4
     # Past DECODE_MAX_GROUP_ROWS, fine-grained experts keep the decode kernel at few expected rows.
-    assert plan.pick_tile(64, 128, group_rows=8) == gemm.DECODE_TILE      # Qwen3-30B at T=8: 1.27
-    assert plan.pick_tile(32, 64, group_rows=4) == gemm.DECODE_TILE       # 64 experts, 1.26 expected
-    assert plan.pick_tile(16, 32, group_rows=4) == gemm.SMALL_M_TILE      # 1.26 expected, but 32 experts
+    assert plan.pick_tile(64, 256, group_rows=8) == gemm.DECODE_TILE      # DeepSeek-V3 at T=8: 1.13
+    assert plan.pick_tile(16, 64, group_rows=4) == gemm.DECODE_TILE       # 64 experts, 1.12 expected
+    assert plan.pick_tile(8, 32, group_rows=4) == gemm.SMALL_M_TILE       # 1.11 expected, but 32 experts
+    assert plan.pick_tile(64, 128, group_rows=8) == gemm.SMALL_M_TILE     # Qwen3-30B at T=8: 1.27 ...
+    light = 3 * 2048 * 768 * 2  # ... unless its owning experts are light (Qwen3-30B's: 0.5 GB)
+    assert plan.pick_tile(64, 128, group_rows=8, expert_bytes=light) == gemm.DECODE_TILE
     assert plan.decode_rows_per_pass(8, 128, group_rows=2) == 2
     # ... and their rows per pass follow the expected rows, not the bound.
     assert plan.decode_rows_per_pass(8, 128, group_rows=5) == 1

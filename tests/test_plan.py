@@ -144,5 +144,8 @@ def test_light_fine_grained_layers_keep_the_decode_kernel_longer():
     assert plan.pick_tile(128, 128, 16, expert_bytes=light) == "decode"
     assert plan.pick_tile(128, 128, 16, expert_bytes=heavy) == "small"
     assert plan.pick_tile(256, 128, 32, expert_bytes=light) == "small"  # 2.3 rows an expert: CUTLASS
+    # DeepSeek-V3: 128 rows over 256 experts expect 1.27 rows an owning expert: CUTLASS; 64 rows 1.13: decode.
+    assert plan.pick_tile(128, 256, 16, expert_bytes=heavy) == "small"
+    assert plan.pick_tile(64, 256, 8, expert_bytes=heavy) == "decode"
     tuning = dataclasses.replace(DEFAULT_TUNING, decode_light_max_bytes=1e6)
     assert plan.pick_tile(128, 128, 16, expert_bytes=light, tuning=tuning) == "small"
