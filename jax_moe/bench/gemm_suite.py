@@ -1,8 +1,8 @@
 """Suite gemm: the experts' grouped GEMM against the GEMMs a JAX user would pick instead.
 
 Per model and T: the fused gate/up projection of one layer, [T*k, H] x [El, H, 2F] (bf16, float32
-accumulation), on T*k rows routed uniformly at random, by ``jax_moe.grouped_matmul`` (the tile of
-``plan.pick_tile``), each JAX peer (``jax_peers.peers``) and a dense ``jnp.dot`` of the same FLOPs (the
+accumulation), on T*k rows routed uniformly at random, by ``jax_moe.grouped_matmul`` (on the tile the
+layer's plan picks), each JAX peer (``jax_peers.peers``) and a dense ``jnp.dot`` of the same FLOPs (the
 compute ceiling). TFLOP/s = 2*T*k*H*2F / time; weight GB/s = bytes of the experts owning rows / time,
 against the copy ceiling. Then the SwiGLU expert block, forward and forward+backward, against the JAX peers
 (``jax_peers.measure_block``). Whole layers and FP8 experts: the stack, decode and train suites.
@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax import lax
 
 import jax_moe
-from jax_moe import plan
 from jax_moe.bench import common, jax_peers
 from jax_moe.bench.models import ROW_DTYPE, ModelShape
 
@@ -27,11 +26,11 @@ TITLE = "Grouped GEMM (suite gemm)"
 METHOD = common.LOOP_METHOD + " The scratch is threaded from call to call."
 
 
-def impls(tokens: int, config, scratch, weights) -> dict:
+def impls(tokens: int, config, scratch, weights, tile) -> dict:
     """name -> (``fn(*operands) -> (out, operands)``, operands), or why it does not run here."""
     live = config.live_row_bound(tokens)
     rows, sizes = scratch.permuted[:live], scratch.group_sizes
-    out = {"jax_moe": (lambda w, s: (jax_moe.grouped_matmul(s.permuted, w, s, num_rows=live)[0], (w, s)),
+    out = {"jax_moe": (lambda w, s: (jax_moe.grouped_matmul(s.permuted, w, s, num_rows=live, tile=tile)[0], (w, s)),
                        (weights, scratch)),
            "dense": (lambda r, w: (jnp.dot(r, w, preferred_element_type=jnp.float32).astype(r.dtype), (r, w)),
                      (rows[:tokens * config.top_k], weights[0]))}
@@ -52,12 +51,15 @@ def measure(model: ModelShape, tokens: int, clock, notes, copy_gbs: float | None
     hidden, n = model.hidden_size, 2 * model.ffn_size
     weights = (jax.random.normal(key, (config.num_local_experts, hidden, n)) / hidden ** 0.5).astype(ROW_DTYPE)
     active = int((scratch.group_sizes > 0).sum())
+    layer = {name: jax.ShapeDtypeStruct(shape, ROW_DTYPE) for name, shape in (  # the plan reads shapes alone
+        ("router", (hidden, config.num_experts)), ("down", (config.num_local_experts, model.ffn_size, hidden)))}
+    tile = jax_moe.plan_layer(config, tokens, {**layer, "gate_up": weights}, platform="cuda").tile
     base = {"model": model.name, "T": tokens, "rows": tokens * config.top_k, "K": hidden, "N": n, "copy_gbs": copy_gbs,
             "active_experts": active, "weight_bytes": active * hidden * n * 2,
             "flops": 2 * tokens * config.top_k * hidden * n,
-            "tile": plan.pick_tile(config.live_row_bound(tokens), config.num_local_experts)}
+            "tile": tile}
     rows = []
-    for name, impl in impls(tokens, config, scratch, weights).items():
+    for name, impl in impls(tokens, config, scratch, weights, tile).items():
         if isinstance(impl, str):
             notes.append(f"{model.name} T={tokens}: {name} {impl}")
             continue
