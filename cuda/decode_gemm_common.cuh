@@ -30,13 +30,20 @@ __device__ __forceinline__ int Passes(int rows) {
 }
 
 // The most passes `rows` rows over `groups` experts can take (each owning expert's last one may be partial).
-inline int64_t MaxPasses(int64_t rows, int64_t groups, int rows_per_pass) {
+__host__ __device__ inline int64_t MaxPasses(int64_t rows, int64_t groups, int rows_per_pass) {
   const int64_t owners = groups < rows ? groups : rows;
   return (rows + owners * (rows_per_pass - 1)) / rows_per_pass;
 }
 
 constexpr int kWholeGroups = 1 << 30;  // FindGroup's kRowsPerPass for one slot per expert, whatever its rows
 constexpr int64_t kMaxRoutedSlots = 65534;  // a grid's y extent (65,535) less the shared product's slot
+
+// Whether a routed slot is one pass (its expert's passes in adjacent slots) rather than all of one
+// expert's rows: a slot a pass unless the passes could overflow the grid. Host (the grid) and
+// device (FindGroup) decide alike.
+__host__ __device__ inline bool SlotPerPass(int64_t rows, int64_t groups, int rows_per_pass) {
+  return MaxPasses(rows, groups, rows_per_pass) <= kMaxRoutedSlots;
+}
 
 // The slot-th pass of at most kRowsPerPass rows, in expert order, over the experts that own rows
 // (offsets clamped to out_rows): its expert and rows, for every thread of the block. Each thread

@@ -2,7 +2,7 @@
 // slot: block (x, y) finds the y-th pass (up to rows_per_pass rows of one expert; an expert's passes
 // are consecutive slots) and streams that expert's [K, tile] weight columns over the pass's rows.
 // With a shared product the last slot streams the shared weights over every row of shared_x; where
-// passes could overflow the grid, a routed slot passes over all of its expert's rows (slot_rows).
+// passes could overflow the grid, a routed slot passes over all of its expert's rows (SlotPerPass).
 // Within a block each lane owns 8 consecutive columns (one 16-byte load per k row) and 8 consecutive
 // k rows per step (one 16-byte load of each row's x); lanes and warps split K, and a fixed-order
 // reduction sums their parts.
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   }
   const int num_groups = static_cast<int>(p.num_groups), slot = static_cast<int>(blockIdx.y);
   const Group group = shared ? Group{0, 0, static_cast<int>(p.shared_rows)}
-                      : p.slot_rows == kRowsPerPass
+                      : SlotPerPass(p.out_rows, p.num_groups, kRowsPerPass)
                           ? FindGroup<kRowsPerPass>(p.expert_offsets, num_groups, out_rows, slot)
                           : FindGroup<kWholeGroups>(p.expert_offsets, num_groups, out_rows, slot);
   if (group.index < 0) return;
@@ -106,8 +106,8 @@ __global__ void __launch_bounds__(kThreads) DecodeGemmKernel(DecodeGemmArgs p) {
   const int64_t k_end = k_begin + k_chunk < k ? k_begin + k_chunk : k;
   const uint64_t policy = EvictFirstPolicy();
 
-  // One pass for a routed slot of slot_rows == kRowsPerPass; several for the shared slot (every row of
-  // shared_x) or a slot of a whole expert's rows.
+  // One pass for a routed slot of a pass; several for the shared slot (every row of shared_x) or a
+  // slot of a whole expert's rows.
   for (int first_row = group.start; first_row < group.end; first_row += kRowsPerPass) {
     const int rows_now = min(kRowsPerPass, group.end - first_row);
     const Bf16* x = rows + static_cast<int64_t>(first_row) * k;
@@ -221,9 +221,9 @@ int64_t BusiestSmBytes(const DecodeShape& shape, int64_t k) {
 // product joins.)
 DecodeShape ShapeOf(const DecodeGemmArgs& args) {
   const bool gated = args.gated, shared = args.shared_weights != nullptr;
-  const int64_t routed_slots = args.slot_rows == kWholeGroups
-                                   ? std::min(args.num_groups, args.out_rows)
-                                   : MaxPasses(args.out_rows, args.num_groups, args.slot_rows);
+  const int64_t routed_slots = SlotPerPass(args.out_rows, args.num_groups, args.rows_per_pass)
+                                   ? MaxPasses(args.out_rows, args.num_groups, args.rows_per_pass)
+                                   : std::min(args.num_groups, args.out_rows);
   const int64_t routed_width = gated ? args.n / 2 : args.n, shared_width = gated ? args.shared_n / 2 : args.shared_n;
   const int64_t k = std::min(routed_slots > 0 ? args.k : INT64_MAX, shared ? args.shared_k : INT64_MAX);
   auto shape_of = [&](bool wide) {
@@ -309,8 +309,7 @@ bool SharedJoinsLaunch(const DecodeGemmArgs& args) {
 
 }  // namespace
 
-cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& given, cudaStream_t stream) {
-  DecodeGemmArgs args = given;
+cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& args, cudaStream_t stream) {
   if (args.k % 8 != 0 || args.n % (args.gated ? 16 : 8) != 0 || args.num_groups < 1 ||
       args.num_groups > kMaxRoutedSlots || args.out_rows < 0 || args.out_rows > (int64_t{1} << 30) ||
       (args.rows_per_pass != 1 && args.rows_per_pass != 2 && args.rows_per_pass != 4 && args.rows_per_pass != 8))
@@ -320,9 +319,6 @@ cudaError_t LaunchDecodeGemm(const DecodeGemmArgs& given, cudaStream_t stream) {
        args.shared_rows < 1 || args.shared_rows > (int64_t{1} << 30)))
     return cudaErrorInvalidValue;
   if (args.out_rows == 0 && args.shared_weights == nullptr) return cudaSuccess;
-  // A slot a pass, so that an expert's passes run side by side, unless they could overflow the grid.
-  const bool pass_slots = MaxPasses(args.out_rows, args.num_groups, args.rows_per_pass) <= kMaxRoutedSlots;
-  args.slot_rows = pass_slots ? args.rows_per_pass : kWholeGroups;
   if (args.shared_weights == nullptr || SharedJoinsLaunch(args)) return LaunchOne(args, stream);
   // Apart: the routed experts' launch, then the shared product's alone (its only slot).
   DecodeGemmArgs routed = args, shared = args;

@@ -28,7 +28,6 @@ struct DecodeGemmArgs {
   // rows takes several passes, blocks of their own that run side by side, so the later ones can
   // read the weights from L2. The caller picks it from the rows it expects per expert.
   int rows_per_pass;
-  int slot_rows = 0;  // set by LaunchDecodeGemm: rows_per_pass, or a whole expert's rows a slot (FindGroup)
   // Optional (shared_weights non-null): a dense product in the same launch, one more slot at the
   // grid's end: shared_out = shared_x @ shared_weights (gated as above), as if one more expert
   // owned every row of shared_x. A shared expert at decode then streams its weights beside the
