@@ -23,7 +23,8 @@ def gpu_available() -> bool:
 
 
 # A GPU test at these models' full expert weights holds 15-30 GB: beside other test processes on one card it
-# runs out of memory, so it is marked ``whole_gpu`` and tests/gpu_session.sh runs those in one process.
+# runs out of memory, so it is marked ``whole_gpu`` and tests/gpu_session.sh runs those in one process (a
+# test of other models that needs as much carries the mark itself).
 WHOLE_GPU_MODELS = ("deepseek_v3", "qwen35_397b")
 
 

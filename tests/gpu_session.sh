@@ -14,8 +14,10 @@ source tests/gpu_build.sh "$OUT"
 if [ -z "${SKIP_TESTS:-}" ]; then
   stage "gpu tests"
   # Every GPU test file, in parallel processes sharing the GPU (mostly XLA compiles: one process ran 273
-  # of the 420 in 520 s on an H100); then the whole_gpu tests (tests/conftest.py) alone in one process:
-  # beside other workers they run out of the card's memory.
+  # of the 420 in 520 s on an H100), each capped to its share of the card's memory (uncapped, the first
+  # to grow its pool starved the others: 183 of 380 failed out of memory on an H100); then the whole_gpu
+  # tests (tests/conftest.py) alone in one process: they need more than a share.
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${GPU_TEST_MEM_FRACTION:-0.22} \
   python3 -m pytest -q -m "gpu and not whole_gpu" -n "${GPU_TEST_WORKERS:-4}" -p no:cacheprovider \
     ${GPU_TEST_ARGS:-} tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
   python3 -m pytest -q -m "gpu and whole_gpu" -p no:cacheprovider ${GPU_TEST_ARGS:-} tests 2>&1 \
