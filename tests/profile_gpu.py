@@ -19,30 +19,29 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 
 import jax_moe
+from jax_moe.bench import train_suite
 from jax_moe.bench.models import MODELS
 
 STEPS = 3  # traced steps per case
 
 
-def step_fn(params, x, training: bool):
-    """``run(scratch) -> (result, scratch)``: one donated step of the stack; result is all it returns."""
+def step_fn(params, x, config, training: bool):
+    """``(run, scratch)``: ``run(scratch) -> (result, scratch)``, one donated step of the stack (result is all
+    it returns; training: the train suite's loss and step), and the first scratch."""
     if training:
-        def loss(p, x, s):
-            y, s = jax_moe.moe_stack(p, x, s)
-            return jnp.mean(jnp.square(y.astype(jnp.float32))), s
+        loss, scratch = train_suite.jax_moe_loss(config)
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), donate_argnums=2)
         scratch_of = lambda result: result[0][1]  # noqa: E731  ((loss, scratch), grads)
     else:
-        step = jax.jit(jax_moe.moe_stack, donate_argnums=2)
+        step, scratch = jax.jit(jax_moe.moe_stack, donate_argnums=2), jax_moe.init_scratch(config)
         scratch_of = lambda result: result[1]  # noqa: E731  (y, scratch)
 
     def run(scratch):
         result = step(params, x, scratch)
         return result, scratch_of(result)
-    return run
+    return run, scratch
 
 
 def device_kernels(trace_dir: str):
@@ -59,7 +58,7 @@ def profile(model, case: str, layers: int, out_dir: str) -> dict:
     config = model.config(tokens)
     params = jax_moe.init_moe_params(jax.random.key(0), config, layers, model.ffn_size, **model.param_options())
     x = jax.random.normal(jax.random.key(1), (tokens, model.hidden_size), config.dtype)
-    run, scratch = step_fn(params, x, training), jax_moe.init_scratch(config)
+    run, scratch = step_fn(params, x, config, training)
     plan = jax_moe.plan_layer(config, tokens, jax.tree.map(lambda a: a[0], params), training=training)
     for _ in range(2):
         result, scratch = run(scratch)
