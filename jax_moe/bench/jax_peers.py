@@ -39,7 +39,7 @@ ROUTING_SKEW = 1.0  # std of each expert's popularity added to the tokens' N(0, 
 CHECK_TOLERANCE = 2e-2  # max |peer - reference| / max |reference|, each of out, d rows, d gate/up, d down
 CHECK_BYTES = 1 << 30  # ragged_dot's weight gradient is a dense [rows, E, N] float32: the check's token cap
 CHECK_WEIGHT_BYTES = 4 << 30  # the float32 gate/up gradient the check compares: its expert cap (DeepSeek-V3: 36)
-CHECK_TOKEN_BLOCK = 64  # a cut check keeps whole blocks of tokens: tokamax's sm90 kernels take rows < 64 or k * 64
+TOKAMAX_ROW_BLOCK = 64  # tokamax's sm90 kernels take whole row blocks; MaxText pads its gmm rows to its tile too
 # rows x E past which the ragged_dot block is not timed: forward (seconds a call), forward+backward (its dense
 # weight gradient, as train_suite.BASELINE_MAX_ROWS_X_EXPERTS).
 RAGGED_DOT_MAX_ROWS_X_EXPERTS = {"forward": 16384 * 256, "forward+backward": 1024 * 8 * 128}
@@ -65,9 +65,12 @@ def _import_tokamax():
 
 
 def tokamax_dot(implementation: str):
+    """``tokamax.ragged_dot`` on the rows padded with zeros to whole TOKAMAX_ROW_BLOCKs (in no group), as a
+    tokamax user pads them: its kernels reject other row counts at trace time."""
     def dot(rows, weights, sizes):
         tokamax, _ = _import_tokamax()
-        return tokamax.ragged_dot(rows, weights, sizes, implementation=implementation)
+        padded = jnp.pad(rows, ((0, -rows.shape[0] % TOKAMAX_ROW_BLOCK), (0, 0)))
+        return tokamax.ragged_dot(padded, weights, sizes, implementation=implementation)[:rows.shape[0]]
     return dot
 
 
@@ -155,7 +158,7 @@ def check(dot, x, ids, gate_up, down, caps=(CHECK_BYTES, CHECK_WEIGHT_BYTES)) ->
     within CHECK_TOLERANCE, else what differs (or the error that stopped the check): the forward by its out,
     forward+backward also by the rows' and both weights' gradients for a random cotangent (a wrong weight
     gradient does not void a forward's row). On the first tokens of ``x`` (ids [T, k]) whose reference gradient
-    fits ``caps[0]`` bytes (whole CHECK_TOKEN_BLOCKs where cut), routed onto the first experts whose float32
+    fits ``caps[0]`` bytes, routed onto the first experts whose float32
     weight gradients fit ``caps[1]`` (ids modulo their count)."""
     try:
         errors, tokens = _relative_errors(dot, x, ids, gate_up, down, caps)
@@ -173,8 +176,6 @@ def _relative_errors(dot, x, ids, gate_up, down, caps) -> tuple[dict[str, float]
     num_experts = max(1, min(gate_up.shape[0], max_weight_bytes // (4 * hidden * width)))
     gate_up, down, ids = gate_up[:num_experts], down[:num_experts], ids % num_experts
     tokens = max(1, min(x.shape[0], max_bytes // (4 * ids.shape[1] * num_experts * max(hidden, width))))
-    if CHECK_TOKEN_BLOCK <= tokens < x.shape[0]:
-        tokens -= tokens % CHECK_TOKEN_BLOCK
     rows, sizes, _ = baseline.argsort_permute(x[:tokens], ids[:tokens], num_experts)
     cotangent = jax.random.normal(jax.random.key(1), rows.shape, rows.dtype)
 
