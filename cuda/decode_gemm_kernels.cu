@@ -220,7 +220,8 @@ int64_t BusiestSmBytes(const DecodeShape& shape, int64_t k) {
 // was slower where it picked narrow tiles for large grids: that cost decides only whether a shared
 // product joins. Tiles of 32 columns were slower too where they would even out the SMs' bytes,
 // Qwen3-30B's gate/up at T = 1 23.5 us vs 20.7 on an H100: past two resident blocks an SM, 120
-// registers a thread, the third runs as a second round.)
+// registers a thread, the third runs as a second round; and 25.7 us held to 80 registers (some spilled)
+// so that three blocks an SM fit.)
 DecodeShape ShapeOf(const DecodeGemmArgs& args) {
   const bool gated = args.gated, shared = args.shared_weights != nullptr;
   const int64_t routed_slots = SlotPerPass(args.out_rows, args.num_groups, args.rows_per_pass)
