@@ -2,9 +2,9 @@
 
 ``peers``, each a ``dot(rows [R, K], weights [E, K, N], group_sizes [E]) -> [R, N]`` (float32 accumulation,
 differentiable), or why it cannot run here: ``tokamax.ragged_dot`` (``mosaic_gpu`` and ``triton``, default
-config; its custom_vjp runs both gradients on the same kernels), Pallas ``ragged_dot_mgpu`` with a backward
-written here (``transpose_rhs=True`` for d rows, ``transposed_ragged_dot_mgpu`` for d weights) and
-``lax.ragged_dot``. GEMM level (``measure_block``, gemm suite): the SwiGLU expert block of one layer on T*k
+config, rows padded to its row block; its custom_vjp runs both gradients on the same kernels), Pallas
+``ragged_dot_mgpu`` with a backward written here (``transpose_rhs=True`` for d rows,
+``transposed_ragged_dot_mgpu`` for d weights) and ``lax.ragged_dot``. GEMM level (``measure_block``, gemm suite): the SwiGLU expert block of one layer on T*k
 rows of uneven routing, forward and forward+backward (every output consumed), jax_moe's on its scratch and
 plan. Layer level (train and decode suites): ``baseline.baseline_moe_stack`` (MaxText's shape) with
 ``expert_fn=swiglu_on(dot)``. Each peer is checked against float32 ``lax.ragged_dot`` (``check``) first;
@@ -158,8 +158,8 @@ def check(dot, x, ids, gate_up, down, caps=(CHECK_BYTES, CHECK_WEIGHT_BYTES)) ->
     within CHECK_TOLERANCE, else what differs (or the error that stopped the check): the forward by its out,
     forward+backward also by the rows' and both weights' gradients for a random cotangent (a wrong weight
     gradient does not void a forward's row). On the first tokens of ``x`` (ids [T, k]) whose reference gradient
-    fits ``caps[0]`` bytes, routed onto the first experts whose float32
-    weight gradients fit ``caps[1]`` (ids modulo their count)."""
+    fits ``caps[0]`` bytes, routed onto the first experts whose float32 weight gradients fit ``caps[1]`` (ids
+    modulo their count)."""
     try:
         errors, tokens = _relative_errors(dot, x, ids, gate_up, down, caps)
     except Exception as e:
