@@ -4,11 +4,11 @@
 differentiable), or why it cannot run here: ``tokamax.ragged_dot`` (``mosaic_gpu`` and ``triton``, default
 config, rows padded to its row block; its custom_vjp runs both gradients on the same kernels), Pallas
 ``ragged_dot_mgpu`` with a backward written here (``transpose_rhs=True`` for d rows,
-``transposed_ragged_dot_mgpu`` for d weights) and ``lax.ragged_dot``. GEMM level (``measure_block``, gemm suite): the SwiGLU expert block of one layer on T*k
-rows of uneven routing, forward and forward+backward (every output consumed), jax_moe's on its scratch and
-plan. Layer level (train and decode suites): ``baseline.baseline_moe_stack`` (MaxText's shape) with
-``expert_fn=swiglu_on(dot)``. Each peer is checked against float32 ``lax.ragged_dot`` (``check``) first;
-one that fails is reported, not timed.
+``transposed_ragged_dot_mgpu`` for d weights) and ``lax.ragged_dot``. GEMM level (``measure_block``, gemm suite):
+the SwiGLU expert block of one layer on T*k rows of uneven routing, forward and forward+backward (every output
+consumed), jax_moe's on its scratch and plan. Layer level (train and decode suites):
+``baseline.baseline_moe_stack`` (MaxText's shape) with ``expert_fn=swiglu_on(dot)``. Each peer is checked against
+float32 ``lax.ragged_dot`` (``check``) first; one that fails is reported, not timed.
 """
 
 from __future__ import annotations
