@@ -126,13 +126,9 @@ def test_the_layer_peer_is_the_baseline_layer_forward_and_backward(monkeypatch):
 
 def test_tokamax_gets_whole_row_blocks_and_its_padding_leaves_the_block_unchanged(monkeypatch):
     # DeepSeek-V3's check on 1,040 rows and decode's 2-160 rows: tokamax's sm90 kernels refused them.
-    seen = []
-
-    def ragged_dot(rows, weights, sizes, implementation):
-        seen.append(rows.shape[0])
-        return jax_peers.ragged_dot(rows, weights, sizes)
+    seen, dot = _recording_dot(lambda rows, weights: rows.shape[0])
     fake = type(sys)("tokamax")
-    fake.ragged_dot = ragged_dot
+    fake.ragged_dot = lambda rows, weights, sizes, implementation: dot(rows, weights, sizes)
     monkeypatch.setattr(jax_peers, "_import_tokamax", lambda: (fake, ("mosaic_gpu",)))
     assert jax_peers.check(jax_peers.tokamax_dot("mosaic_gpu"), *_operands(tokens=5)) == PASSED
     assert seen and all(r % jax_peers.TOKAMAX_ROW_BLOCK == 0 for r in seen), seen
